@@ -1,0 +1,29 @@
+"""Training runtime: the reference trainer, the optimiser, the host loop and its hooks."""
+
+from .loop import Hook as Hook
+from .loop import JsonlWriter as JsonlWriter
+from .loop import ProgressBar as ProgressBar
+from .loop import Summary as Summary
+from .loop import run_training as run_training
+from .optim import OptimizerConfig as OptimizerConfig
+from .optim import decay_mask as decay_mask
+from .optim import learning_rate_schedule as learning_rate_schedule
+from .optim import make_optimizer as make_optimizer
+from .reference import ReferenceTrainer as ReferenceTrainer
+from .reference import check_batch_split as check_batch_split
+from .reference import split_microbatches as split_microbatches
+
+__all__ = [
+    "Hook",
+    "JsonlWriter",
+    "OptimizerConfig",
+    "ProgressBar",
+    "ReferenceTrainer",
+    "Summary",
+    "check_batch_split",
+    "decay_mask",
+    "learning_rate_schedule",
+    "make_optimizer",
+    "run_training",
+    "split_microbatches",
+]

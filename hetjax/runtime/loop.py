@@ -1,0 +1,138 @@
+"""The host training loop and its hooks (metrics file, progress bar, summary).
+
+The loop dispatches step N before it reads step N-1's metrics, so the host prepares and
+enqueues the next step while the devices still work on the previous one. Hooks only see
+plain Python floats; they run on process 0 only (the caller passes none elsewhere).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import IO, Any, Protocol
+
+
+class Hook(Protocol):
+    """Something that observes finished steps."""
+
+    def on_step(self, step: int, metrics: Mapping[str, float]) -> None: ...
+
+    def on_end(self, history: Sequence[Mapping[str, float]]) -> None: ...
+
+
+def run_training(
+    step_fn: Callable[[int], Mapping[str, Any]],
+    steps: int,
+    *,
+    tokens_per_step: int,
+    hooks: Sequence[Hook] = (),
+) -> list[dict[str, float]]:
+    """Runs ``step_fn(0) ... step_fn(steps - 1)``; returns the per-step metrics.
+
+    Args:
+        step_fn: dispatches one step and returns its metrics as device scalars.
+        steps: number of steps.
+        tokens_per_step: tokens in one global batch, for throughput.
+        hooks: observers, called in order after each step and at the end.
+    """
+    history: list[dict[str, float]] = []
+    pending: tuple[int, Mapping[str, Any]] | None = None
+    last = time.perf_counter()
+    for step in range(steps + 1):
+        current = (step, step_fn(step)) if step < steps else None
+        if pending is not None:
+            done, device_metrics = pending
+            metrics = {k: float(v) for k, v in device_metrics.items()}  # waits for step `done`
+            now = time.perf_counter()
+            metrics.update(
+                step=done,
+                tokens=tokens_per_step,
+                step_time_s=now - last,
+                tokens_per_s=tokens_per_step / max(now - last, 1e-9),
+            )
+            last = now
+            history.append(metrics)
+            for hook in hooks:
+                hook.on_step(done, metrics)
+        pending = current
+    for hook in hooks:
+        hook.on_end(history)
+    return history
+
+
+class JsonlWriter:
+    """Writes one JSON object per step to ``path`` (JSON Lines), ``step`` first."""
+
+    def __init__(self, path: str):
+        self._file: IO[str] = open(path, "w", encoding="utf-8")  # noqa: SIM115
+
+    def on_step(self, step: int, metrics: Mapping[str, float]) -> None:
+        row = {"step": step, **{k: v for k, v in metrics.items() if k != "step"}}
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+
+    def on_end(self, history: Sequence[Mapping[str, float]]) -> None:
+        self._file.close()
+
+
+class ProgressBar:
+    """A one-line progress bar on a terminal; a log line every ``every`` steps otherwise."""
+
+    def __init__(self, total: int, *, stream: IO[str] | None = None, every: int = 10):
+        self.total = total
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+        self.every = every
+
+    def on_step(self, step: int, metrics: Mapping[str, float]) -> None:
+        n = step + 1
+        text = (
+            f"step {n:>5}/{self.total}  loss {metrics['loss']:.4f}  "
+            f"{metrics['tokens_per_s']:,.0f} tok/s"
+        )
+        if self.tty:
+            width = 24
+            filled = int(width * n / self.total)
+            bar = "#" * filled + "." * (width - filled)
+            self.stream.write(f"\r[{bar}] {text}")
+            if n == self.total:
+                self.stream.write("\n")
+        elif n % self.every == 0 or n in (1, self.total):
+            self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def on_end(self, history: Sequence[Mapping[str, float]]) -> None:
+        pass
+
+
+class Summary:
+    """Prints a one-screen summary at the end: the run's set-up, then loss and throughput."""
+
+    def __init__(self, header: Mapping[str, Any], *, stream: IO[str] | None = None):
+        self.header = header
+        self.stream = stream or sys.stdout
+
+    def on_step(self, step: int, metrics: Mapping[str, float]) -> None:
+        pass
+
+    def on_end(self, history: Sequence[Mapping[str, float]]) -> None:
+        if not history:
+            return
+        steady = history[1:] or history  # step 0 includes compilation
+        step_time = sum(m["step_time_s"] for m in steady) / len(steady)
+        rows = [
+            *self.header.items(),
+            ("steps", len(history)),
+            ("loss (first -> last)", f"{history[0]['loss']:.4f} -> {history[-1]['loss']:.4f}"),
+            ("first step (compile)", f"{history[0]['step_time_s']:.2f} s"),
+            ("steady step time", f"{step_time * 1e3:.1f} ms"),
+            ("throughput", f"{history[-1]['tokens'] / step_time:,.0f} tokens/s"),
+            ("total wall time", f"{sum(m['step_time_s'] for m in history):.1f} s"),
+        ]
+        width = max(len(k) for k, _ in rows)
+        lines = ["", "== hetjax run summary " + "=" * 40]
+        lines += [f"  {k:<{width}}  {v}" for k, v in rows]
+        self.stream.write("\n".join(lines) + "\n")
+        self.stream.flush()

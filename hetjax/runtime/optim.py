@@ -1,0 +1,76 @@
+"""Optimiser: AdamW with linear warm-up + cosine decay and global-norm clipping.
+
+Weight decay follows Megatron: matrices decay, biases and norm scales do not. Which
+leaves are matrices is decided from logical axis names (ignoring the stacked
+``"layers"`` axis), not from ``ndim``, because stacking blocks adds a dimension.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import optax
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW hyper-parameters and the learning-rate schedule."""
+
+    lr: float = 3e-3  # peak learning rate
+    total_steps: int = 100  # schedule length (cosine reaches end_lr_ratio * lr here)
+    warmup_steps: int = 10  # linear warm-up from 0 to lr
+    end_lr_ratio: float = 0.1  # final learning rate as a fraction of the peak
+    weight_decay: float = 0.01
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    clip_norm: float = 1.0  # global gradient-norm clipping threshold (<= 0 disables)
+
+    def __post_init__(self):
+        if self.total_steps < 1 or self.warmup_steps < 0:
+            raise ValueError(
+                f"schedule needs total_steps >= 1 and warmup_steps >= 0, got "
+                f"{self.total_steps} and {self.warmup_steps}"
+            )
+        if self.lr <= 0:
+            raise ValueError(f"learning rate must be positive, got {self.lr}; use --lr 3e-3")
+
+
+def learning_rate_schedule(cfg: OptimizerConfig) -> optax.Schedule:
+    warmup = min(cfg.warmup_steps, cfg.total_steps - 1)
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0,
+        peak_value=cfg.lr,
+        warmup_steps=warmup,
+        decay_steps=max(cfg.total_steps, warmup + 1),
+        end_value=cfg.lr * cfg.end_lr_ratio,
+    )
+
+
+def decay_mask(logical_axes: Any) -> Any:
+    """True for leaves with at least two non-``layers`` axes (matrices)."""
+    return jax.tree.map(
+        lambda names: sum(n != "layers" for n in names) >= 2,
+        logical_axes,
+        is_leaf=lambda x: isinstance(x, tuple),
+    )
+
+
+def make_optimizer(
+    cfg: OptimizerConfig, *, logical_axes: Any | None = None
+) -> optax.GradientTransformation:
+    """AdamW (+ clipping); decays every leaf when ``logical_axes`` is not given."""
+    parts = [optax.clip_by_global_norm(cfg.clip_norm)] if cfg.clip_norm > 0 else []
+    parts.append(
+        optax.adamw(
+            learning_rate_schedule(cfg),
+            b1=cfg.b1,
+            b2=cfg.b2,
+            eps=cfg.eps,
+            weight_decay=cfg.weight_decay,
+            mask=None if logical_axes is None else decay_mask(logical_axes),
+        )
+    )
+    return optax.chain(*parts)

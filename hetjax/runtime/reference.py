@@ -1,0 +1,125 @@
+"""The reference trainer: one mesh, plain data parallelism, gradient accumulation.
+
+Every heterogeneous layout is checked against this trainer, so its loss is exactly
+defined: the model's summed cross-entropy over the supervised tokens of each
+microbatch, divided by the supervised-token count of the GLOBAL batch, summed over
+microbatches. That is the mean over all supervised tokens of the step, independent of
+the microbatch count and the data-parallel degree (up to float reordering).
+
+The whole step (microbatch scan, gradient reduction, clipping, AdamW) is one jit on a
+1-D ``("dp",)`` mesh; with one device it is the single-device reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+Batch = Mapping[str, jax.Array]
+LossSumFn = Callable[[Any, Batch], jax.Array]
+
+
+def tree_norms(tree: Mapping[str, Any], prefix: str) -> dict[str, jax.Array]:
+    """``{prefix/<top-level key>: global L2 norm of that subtree}``."""
+    return {f"{prefix}/{k}": optax.global_norm(v) for k, v in tree.items()}
+
+
+def split_microbatches(batch: Batch, microbatches: int) -> Batch:
+    """``[B, ...]`` -> ``[M, B / M, ...]``; microbatch ``m`` holds samples ``[m*B/M, (m+1)*B/M)``."""
+    return {
+        k: v.reshape(microbatches, v.shape[0] // microbatches, *v.shape[1:])
+        for k, v in batch.items()
+    }
+
+
+def check_batch_split(global_batch: int, microbatches: int, dp: int) -> None:
+    if microbatches < 1 or global_batch % microbatches:
+        raise ValueError(
+            f"--global-batch {global_batch} is not divisible by --microbatches {microbatches}; "
+            "pick a microbatch count that divides the batch"
+        )
+    if (global_batch // microbatches) % dp:
+        raise ValueError(
+            f"microbatch size {global_batch // microbatches} (global batch {global_batch} / "
+            f"{microbatches} microbatches) is not divisible by {dp} data-parallel devices; "
+            f"use a global batch that is a multiple of {microbatches * dp}"
+        )
+
+
+class ReferenceTrainer:
+    """Data-parallel training of ``params`` under ``loss_sum_fn`` with ``optimizer``.
+
+    Args:
+        loss_sum_fn: ``(params, microbatch) -> summed loss`` over its supervised tokens.
+        params: initial parameters, a dict keyed by module name.
+        optimizer: an optax transformation.
+        devices: devices of the 1-D data-parallel mesh (one device: no parallelism).
+        microbatches: gradient-accumulation steps per global batch.
+        mask_key: batch key whose sum over the global batch is the loss normaliser.
+    """
+
+    def __init__(
+        self,
+        loss_sum_fn: LossSumFn,
+        params: Mapping[str, Any],
+        optimizer: optax.GradientTransformation,
+        *,
+        devices: Sequence[jax.Device],
+        microbatches: int = 1,
+        mask_key: str = "loss_mask",
+    ):
+        self.mesh = Mesh(np.asarray(devices), ("dp",))
+        self.microbatches = microbatches
+        self.optimizer = optimizer
+        replicated = NamedSharding(self.mesh, P())
+        self._batch_sharding = NamedSharding(self.mesh, P(None, "dp"))
+        self.params = jax.device_put(params, replicated)
+        self.opt_state = jax.jit(optimizer.init, out_shardings=replicated)(self.params)
+
+        def train_step(params, opt_state, batch_MxB):
+            normalizer = jnp.maximum(jnp.sum(batch_MxB[mask_key]), 1.0)
+            grad_fn = jax.value_and_grad(lambda p, mb: loss_sum_fn(p, mb) / normalizer)
+
+            def accumulate(carry, mb):
+                loss, grads = carry
+                mb_loss, mb_grads = grad_fn(params, mb)
+                return (loss + mb_loss, jax.tree.map(jnp.add, grads, mb_grads)), None
+
+            zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+            (loss, grads), _ = jax.lax.scan(accumulate, zeros, batch_MxB)
+            updates, opt_state = optimizer.update(grads, opt_state, params)
+            params = optax.apply_updates(params, updates)
+            metrics = {
+                "loss": loss,
+                "grad_norm": optax.global_norm(grads),
+                **tree_norms(grads, "grad_norm"),
+                **tree_norms(params, "param_norm"),
+                "supervised_tokens": normalizer,
+            }
+            return params, opt_state, metrics
+
+        self._step = jax.jit(train_step, donate_argnums=(0, 1))
+
+    @property
+    def num_devices(self) -> int:
+        return self.mesh.size
+
+    def shard_batch(self, batch: Mapping[str, np.ndarray]) -> Batch:
+        """Host batch ``[B, ...]`` -> device arrays ``[M, B/M, ...]`` sharded over ``dp``."""
+        b = next(iter(batch.values())).shape[0]
+        check_batch_split(b, self.microbatches, self.num_devices)
+        return jax.device_put(split_microbatches(batch, self.microbatches), self._batch_sharding)
+
+    def step(self, batch: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
+        """One optimiser step; returns metrics as (not yet fetched) device scalars."""
+        self.params, self.opt_state, metrics = self._step(
+            self.params, self.opt_state, self.shard_batch(batch)
+        )
+        return metrics

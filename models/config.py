@@ -1,0 +1,191 @@
+"""Model configurations and presets (plain frozen dataclasses, no JAX).
+
+Presets:
+    tiny      - tests; every head / kv-head / MLP / layer count divisible by 4 (TP, PP <= 4).
+    small     - tens of millions of parameters, still trains on a laptop CPU.
+    tiny-av   - tiny with an image AND an audio encoder feeding the LLM.
+Shape-only presets at the paper's scale (``vit-1b`` ... ``llm-120b``) carry parameter
+counts and FLOPs per token for planning; they are never instantiated on CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+
+@dataclasses.dataclass(frozen=True)
+class EncoderConfig:
+    """A pre-norm transformer encoder over patches (image) or stacked frames (audio)."""
+
+    kind: Literal["vit", "audio"]
+    width: int  # model width D
+    depth: int  # number of blocks
+    heads: int  # attention heads (head dim = width // heads)
+    mlp: int  # MLP hidden width
+    image_size: int = 16  # vit: square image side in pixels
+    patch: int = 4  # vit: square patch side in pixels
+    channels: int = 3  # vit: colour channels
+    frames: int = 32  # audio: input frames per clip
+    frame_dim: int = 16  # audio: features per frame
+    frame_stack: int = 2  # audio: consecutive frames merged into one token
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens per sample at the encoder output."""
+        if self.kind == "vit":
+            return (self.image_size // self.patch) ** 2
+        return self.frames // self.frame_stack
+
+    @property
+    def token_in_dim(self) -> int:
+        """Input features per token before the embedding matmul."""
+        if self.kind == "vit":
+            return self.patch * self.patch * self.channels
+        return self.frame_dim * self.frame_stack
+
+    def num_params(self) -> int:
+        d, f = self.width, self.mlp
+        block = 4 * d * d + 2 * d * f + f + 4 * d  # qkv+out, MLP (+up bias), 2 LayerNorms
+        return self.token_in_dim * d + d + self.num_tokens * d + self.depth * block + 2 * d
+
+    def flops_per_token(self) -> int:
+        """Forward+backward FLOPs per encoder token (6 x matmul params + attention)."""
+        d = self.width
+        matmul = self.depth * (4 * d * d + 2 * d * self.mlp) + self.token_in_dim * d
+        attention = self.depth * 2 * 2 * self.num_tokens * d  # QK^T and PV
+        return 6 * matmul + 3 * attention
+
+
+@dataclasses.dataclass(frozen=True)
+class LLMConfig:
+    """A Llama-style decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU, untied head."""
+
+    vocab: int
+    width: int
+    depth: int
+    heads: int
+    kv_heads: int
+    mlp: int
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+
+    @property
+    def head_dim(self) -> int:
+        return self.width // self.heads
+
+    def num_params(self) -> int:
+        d, k = self.width, self.head_dim
+        attn = d * self.heads * k * 2 + d * self.kv_heads * k * 2
+        block = attn + 3 * d * self.mlp + 2 * d
+        return 2 * self.vocab * d + self.depth * block + d
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Forward+backward FLOPs per token at ``seq_len`` (causal attention halves QK/PV)."""
+        d, k = self.width, self.head_dim
+        matmul = (
+            self.depth * (d * self.heads * k * 2 + d * self.kv_heads * k * 2 + 3 * d * self.mlp)
+            + self.vocab * d
+        )
+        attention = self.depth * 2 * self.heads * k * seq_len  # causal: 2 matmuls / 2
+        return 6 * matmul + 3 * attention
+
+
+@dataclasses.dataclass(frozen=True)
+class MLLMConfig:
+    """An LLaVA-style model: optional vision and audio encoders + projectors, and an LLM."""
+
+    name: str
+    llm: LLMConfig
+    vision: EncoderConfig | None = None
+    audio: EncoderConfig | None = None
+    seq_len: int = 64  # default training sequence length
+    shape_only: bool = False  # paper-scale preset: counts only, never instantiated
+
+    @property
+    def encoders(self) -> dict[str, EncoderConfig]:
+        return {k: v for k, v in (("vision", self.vision), ("audio", self.audio)) if v}
+
+    def num_params(self) -> dict[str, int]:
+        """Parameter count per module (encoder, its projector, llm) and in total."""
+        counts: dict[str, int] = {}
+        for name, enc in self.encoders.items():
+            counts[name] = enc.num_params()
+            proj = "projector" if name == "vision" else f"{name}_projector"
+            d = self.llm.width
+            counts[proj] = enc.width * d + d + d * d + d
+        counts["llm"] = self.llm.num_params()
+        counts["total"] = sum(counts.values())
+        return counts
+
+
+# Byte-level tokenizer: 256 bytes + PAD, BOS, EOS, IMAGE, AUDIO, padded to a multiple of 64.
+TOKENIZER_VOCAB = 320
+
+_TINY_LLM = LLMConfig(vocab=TOKENIZER_VOCAB, width=64, depth=4, heads=8, kv_heads=4, mlp=128)
+_TINY_VIT = EncoderConfig(kind="vit", width=32, depth=4, heads=4, mlp=64)
+_TINY_AUDIO = EncoderConfig(kind="audio", width=32, depth=4, heads=4, mlp=64)
+
+PRESETS: dict[str, MLLMConfig] = {
+    "tiny": MLLMConfig("tiny", llm=_TINY_LLM, vision=_TINY_VIT, seq_len=64),
+    "tiny-av": MLLMConfig(
+        "tiny-av", llm=_TINY_LLM, vision=_TINY_VIT, audio=_TINY_AUDIO, seq_len=96
+    ),
+    "small": MLLMConfig(
+        "small",
+        llm=LLMConfig(
+            vocab=TOKENIZER_VOCAB, width=512, depth=8, heads=8, kv_heads=4, mlp=1536
+        ),
+        vision=EncoderConfig(
+            kind="vit", width=384, depth=8, heads=8, mlp=1536, image_size=32, patch=4
+        ),
+        seq_len=128,
+    ),
+}
+
+
+def _paper_vit(name: str, width: int, depth: int, heads: int, mlp: int) -> EncoderConfig:
+    # 448px images with 14px patches: 1024 tokens per image, as in the paper's ViT family.
+    return EncoderConfig(
+        kind="vit", width=width, depth=depth, heads=heads, mlp=mlp, image_size=448, patch=14
+    )
+
+
+def _paper_llm(width: int, depth: int, heads: int, kv_heads: int, mlp: int) -> LLMConfig:
+    return LLMConfig(
+        vocab=128256, width=width, depth=depth, heads=heads, kv_heads=kv_heads, mlp=mlp
+    )
+
+
+# Shape-only presets of the paper's scale (encoders 1B-12B, LLMs 14B-120B).
+PAPER_ENCODERS: dict[str, EncoderConfig] = {
+    "vit-1b": _paper_vit("vit-1b", 1536, 32, 16, 6144),
+    "vit-3b": _paper_vit("vit-3b", 2560, 36, 20, 10240),
+    "vit-6b": _paper_vit("vit-6b", 3200, 48, 25, 12800),
+    "vit-12b": _paper_vit("vit-12b", 4096, 56, 32, 16384),
+}
+PAPER_LLMS: dict[str, LLMConfig] = {
+    "llm-14b": _paper_llm(5120, 40, 40, 8, 17920),
+    "llm-70b": _paper_llm(8192, 80, 64, 8, 28672),
+    "llm-120b": _paper_llm(10240, 88, 80, 8, 36864),
+}
+
+
+def paper_preset(encoder: str, llm: str, seq_len: int = 8192) -> MLLMConfig:
+    """A shape-only MLLM of the paper's scale, e.g. ``paper_preset("vit-6b", "llm-120b")``."""
+    return MLLMConfig(
+        f"{encoder}+{llm}",
+        llm=PAPER_LLMS[llm],
+        vision=PAPER_ENCODERS[encoder],
+        seq_len=seq_len,
+        shape_only=True,
+    )
+
+
+def get_preset(name: str) -> MLLMConfig:
+    """Returns a runnable preset; raises ValueError naming the valid ones."""
+    if name not in PRESETS:
+        raise ValueError(
+            f"unknown model preset {name!r}: choose one of {', '.join(sorted(PRESETS))}"
+        )
+    return PRESETS[name]

@@ -1,0 +1,182 @@
+"""Flax NNX building blocks shared by the encoders and the LLM.
+
+Every parameter carries logical axis names in ``nnx.Param(..., axes=...)`` (see
+``hetjax.modules.staged``). Names follow Megatron-style tensor parallelism: column-
+parallel kernels put ``"heads"``/``"kv_heads"``/``"mlp"`` on their OUTPUT dim, row-parallel
+kernels put the same name on their INPUT dim, so one name -> mesh-axis map shards both.
+
+Parameters are stored in float32; ``dtype`` is the compute dtype (float32 or bfloat16).
+Softmax, normalisation statistics and the loss are always computed in float32.
+
+Shape key: B batch, L sequence, D width, H heads, G kv heads, K head dim, F MLP width.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+Axes = tuple[str | None, ...]
+INIT_STD = 0.02
+
+
+def normal_param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: Axes) -> nnx.Param:
+    return nnx.Param(INIT_STD * jax.random.normal(rngs.params(), shape, jnp.float32), axes=axes)
+
+
+class Dense(nnx.Module):
+    """``y = x @ W (+ b)`` with named axes on ``W`` (and on ``b``, its output name)."""
+
+    def __init__(
+        self,
+        d_in: int,
+        d_out: int,
+        *,
+        axes: Axes,
+        rngs: nnx.Rngs,
+        use_bias: bool = False,
+        dtype: Any = jnp.float32,
+    ):
+        self.kernel = normal_param(rngs, (d_in, d_out), axes)
+        self.bias = nnx.Param(jnp.zeros((d_out,)), axes=(axes[1],)) if use_bias else None
+        self.dtype = dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = jnp.dot(x.astype(self.dtype), self.kernel.value.astype(self.dtype))
+        return y if self.bias is None else y + self.bias.value.astype(self.dtype)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, *, eps: float = 1e-5, dtype: Any = jnp.float32):
+        self.scale = nnx.Param(jnp.ones((dim,)), axes=("embed",))
+        self.eps = eps
+        self.dtype = dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (y * self.scale.value).astype(self.dtype)
+
+
+class LayerNorm(nnx.Module):
+    def __init__(self, dim: int, *, eps: float = 1e-6, dtype: Any = jnp.float32):
+        self.scale = nnx.Param(jnp.ones((dim,)), axes=("embed",))
+        self.bias = nnx.Param(jnp.zeros((dim,)), axes=("embed",))
+        self.eps = eps
+        self.dtype = dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        mean = jnp.mean(x32, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+        y = (x32 - mean) * jax.lax.rsqrt(var + self.eps)
+        return (y * self.scale.value + self.bias.value).astype(self.dtype)
+
+
+def rope_angles(positions_L: jax.Array, head_dim: int, theta: float) -> jax.Array:
+    """Rotation angles ``[L, K/2]``: ``pos * theta^(-2i/K)``."""
+    inv_freq = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    return positions_L.astype(jnp.float32)[:, None] * inv_freq[None, :]
+
+
+def apply_rope(x_BxLxHxK: jax.Array, positions_L: jax.Array, theta: float) -> jax.Array:
+    """Llama RoPE (half-split convention): rotates pairs ``(x[i], x[i + K/2])``."""
+    k = x_BxLxHxK.shape[-1]
+    ang = rope_angles(positions_L, k, theta)[None, :, None, :]
+    cos, sin = jnp.cos(ang), jnp.sin(ang)
+    x = x_BxLxHxK.astype(jnp.float32)
+    x1, x2 = x[..., : k // 2], x[..., k // 2 :]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BxLxHxK.dtype)
+
+
+def attention(
+    q_BxLxHxK: jax.Array,
+    k_BxSxGxK: jax.Array,
+    v_BxSxGxK: jax.Array,
+    *,
+    causal: bool,
+) -> jax.Array:
+    """Grouped-query scaled dot-product attention; ``H`` must be a multiple of ``G``.
+
+    With ``G == H`` this is plain multi-head attention.
+    """
+    b, l, h, k = q_BxLxHxK.shape
+    g = k_BxSxGxK.shape[2]
+    q_BxLxGxRxK = q_BxLxHxK.reshape(b, l, g, h // g, k)
+    scores = jnp.einsum("blgrk,bsgk->bgrls", q_BxLxGxRxK, k_BxSxGxK).astype(jnp.float32)
+    scores = scores / jnp.sqrt(jnp.float32(k))
+    if causal:
+        s = k_BxSxGxK.shape[1]
+        mask_LxS = jnp.arange(l)[:, None] >= jnp.arange(s)[None, :]
+        scores = jnp.where(mask_LxS, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_BxSxGxK.dtype)
+    out = jnp.einsum("bgrls,bsgk->blgrk", probs, v_BxSxGxK)
+    return out.reshape(b, l, h, k)
+
+
+class EncoderBlock(nnx.Module):
+    """Pre-norm ViT block: LayerNorm -> bidirectional MHA -> LayerNorm -> GELU MLP."""
+
+    def __init__(self, width: int, heads: int, mlp: int, *, rngs: nnx.Rngs, dtype: Any):
+        self.heads = heads
+        self.norm1 = LayerNorm(width, dtype=dtype)
+        self.qkv = Dense(width, 3 * width, axes=("embed", "heads"), rngs=rngs, dtype=dtype)
+        self.out = Dense(width, width, axes=("heads", "embed"), rngs=rngs, dtype=dtype)
+        self.norm2 = LayerNorm(width, dtype=dtype)
+        self.up = Dense(width, mlp, axes=("embed", "mlp"), rngs=rngs, use_bias=True, dtype=dtype)
+        self.down = Dense(mlp, width, axes=("mlp", "embed"), rngs=rngs, dtype=dtype)
+
+    def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
+        b, l, d = x_BxLxD.shape
+        # qkv output is laid out [H, 3, K] so a TP split over "heads" keeps whole heads.
+        qkv = self.qkv(self.norm1(x_BxLxD)).reshape(b, l, self.heads, 3, d // self.heads)
+        q, k, v = qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]
+        a = attention(q, k, v, causal=False).reshape(b, l, d)
+        x_BxLxD = x_BxLxD + self.out(a)
+        return x_BxLxD + self.down(jax.nn.gelu(self.up(self.norm2(x_BxLxD))))
+
+
+class DecoderBlock(nnx.Module):
+    """Llama block: RMSNorm -> causal GQA with RoPE -> RMSNorm -> SwiGLU."""
+
+    def __init__(
+        self,
+        width: int,
+        heads: int,
+        kv_heads: int,
+        mlp: int,
+        *,
+        rope_theta: float,
+        eps: float,
+        rngs: nnx.Rngs,
+        dtype: Any,
+    ):
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, width // heads
+        self.rope_theta = rope_theta
+        kd = self.head_dim
+        self.attn_norm = RMSNorm(width, eps=eps, dtype=dtype)
+        self.q = Dense(width, heads * kd, axes=("embed", "heads"), rngs=rngs, dtype=dtype)
+        self.k = Dense(width, kv_heads * kd, axes=("embed", "kv_heads"), rngs=rngs, dtype=dtype)
+        self.v = Dense(width, kv_heads * kd, axes=("embed", "kv_heads"), rngs=rngs, dtype=dtype)
+        self.o = Dense(heads * kd, width, axes=("heads", "embed"), rngs=rngs, dtype=dtype)
+        self.mlp_norm = RMSNorm(width, eps=eps, dtype=dtype)
+        self.gate = Dense(width, mlp, axes=("embed", "mlp"), rngs=rngs, dtype=dtype)
+        self.up = Dense(width, mlp, axes=("embed", "mlp"), rngs=rngs, dtype=dtype)
+        self.down = Dense(mlp, width, axes=("mlp", "embed"), rngs=rngs, dtype=dtype)
+
+    def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
+        b, l, _ = x_BxLxD.shape
+        kd = self.head_dim
+        positions_L = jnp.arange(l)
+        h = self.attn_norm(x_BxLxD)
+        q = apply_rope(self.q(h).reshape(b, l, self.heads, kd), positions_L, self.rope_theta)
+        k = apply_rope(self.k(h).reshape(b, l, self.kv_heads, kd), positions_L, self.rope_theta)
+        v = self.v(h).reshape(b, l, self.kv_heads, kd)
+        a = attention(q, k, v, causal=True).reshape(b, l, self.heads * kd)
+        x_BxLxD = x_BxLxD + self.o(a)
+        h = self.mlp_norm(x_BxLxD)
+        return x_BxLxD + self.down(jax.nn.silu(self.gate(h)) * self.up(h))

@@ -1,0 +1,90 @@
+"""Llama-style decoder LLM as a stage-sliceable module.
+
+``pre`` embeds text tokens and writes each sample's modality tokens (projected image /
+audio embeddings) into the placeholder positions of the sequence; ``blocks`` are Llama
+decoder blocks; ``post`` is the final RMSNorm, the untied LM head and the summed
+next-token cross-entropy over supervised positions. Returning a SUM (not a mean) lets the
+trainer divide by the supervised-token count of the global batch, so the loss does not
+depend on how the batch is split into microbatches or data-parallel shards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from hetjax.modules import StagedModule
+from models.config import LLMConfig
+from models.layers import DecoderBlock, Dense, RMSNorm, normal_param
+
+
+def merge_modality_tokens(
+    h_BxLxD: jax.Array, is_slot_BxL: jax.Array, tokens_BxNxD: jax.Array
+) -> jax.Array:
+    """Replaces the placeholder positions of each sample with its N modality tokens, in order.
+
+    Every sample must have exactly N placeholder positions (the data pipeline ensures it).
+    """
+    idx_BxL = jnp.clip(jnp.cumsum(is_slot_BxL, axis=1) - 1, 0, tokens_BxNxD.shape[1] - 1)
+    gathered_BxLxD = jnp.take_along_axis(tokens_BxNxD, idx_BxL[..., None], axis=1)
+    return jnp.where(is_slot_BxL[..., None], gathered_BxLxD.astype(h_BxLxD.dtype), h_BxLxD)
+
+
+class TokenEmbed(nnx.Module):
+    """Text embedding (vocabulary-parallel) + modality-token merge."""
+
+    def __init__(self, cfg: LLMConfig, placeholders: Mapping[str, int], *, rngs: nnx.Rngs,
+                 dtype: Any):
+        self.table = normal_param(rngs, (cfg.vocab, cfg.width), ("vocab", "embed"))
+        self.placeholders = dict(placeholders)
+        self.dtype = dtype
+
+    def __call__(self, tokens_BxL: jax.Array, **modality_BxNxD: jax.Array) -> jax.Array:
+        h_BxLxD = jnp.take(self.table.value, tokens_BxL, axis=0).astype(self.dtype)
+        for modality, tokens_BxNxD in sorted(modality_BxNxD.items()):
+            if modality not in self.placeholders:
+                raise ValueError(
+                    f"LLM has no placeholder token for modality {modality!r}; known: "
+                    f"{sorted(self.placeholders)}"
+                )
+            is_slot_BxL = tokens_BxL == self.placeholders[modality]
+            h_BxLxD = merge_modality_tokens(h_BxLxD, is_slot_BxL, tokens_BxNxD)
+        return h_BxLxD
+
+
+class LMHeadLoss(nnx.Module):
+    """Final norm + untied LM head + summed masked cross-entropy (float32)."""
+
+    def __init__(self, cfg: LLMConfig, *, rngs: nnx.Rngs, dtype: Any):
+        self.norm = RMSNorm(cfg.width, eps=cfg.norm_eps, dtype=dtype)
+        self.head = Dense(cfg.width, cfg.vocab, axes=("embed", "vocab"), rngs=rngs, dtype=dtype)
+
+    def logits(self, h_BxLxD: jax.Array) -> jax.Array:
+        return self.head(self.norm(h_BxLxD)).astype(jnp.float32)
+
+    def __call__(self, h_BxLxD: jax.Array, targets_BxL: jax.Array,
+                 mask_BxL: jax.Array) -> jax.Array:
+        logp_BxLxV = jax.nn.log_softmax(self.logits(h_BxLxD), axis=-1)
+        nll_BxL = -jnp.take_along_axis(logp_BxLxV, targets_BxL[..., None], axis=-1)[..., 0]
+        return jnp.sum(nll_BxL * mask_BxL.astype(jnp.float32))
+
+
+def make_llm(
+    cfg: LLMConfig, placeholders: Mapping[str, int], dtype: Any = jnp.float32,
+    name: str = "llm",
+) -> StagedModule:
+    """The decoder; ``placeholders`` maps modality name (``"image"``) to its token id."""
+    return StagedModule(
+        name,
+        pre=lambda rngs: TokenEmbed(cfg, placeholders, rngs=rngs, dtype=dtype),
+        block=lambda rngs: DecoderBlock(
+            cfg.width, cfg.heads, cfg.kv_heads, cfg.mlp, rope_theta=cfg.rope_theta,
+            eps=cfg.norm_eps, rngs=rngs, dtype=dtype,
+        ),
+        post=lambda rngs: LMHeadLoss(cfg, rngs=rngs, dtype=dtype),
+        num_layers=cfg.depth,
+    )

@@ -1,0 +1,85 @@
+"""The composed LLaVA-style MLLM: encoders + projectors feeding a Llama-style LLM.
+
+Modules are :class:`hetjax.StagedModule` objects keyed by name: ``vision`` and its
+``projector``; ``audio`` and its ``audio_projector``; ``llm``. Parameters are a dict
+with the same keys, so per-module metrics (gradient and parameter norms) and
+per-module layouts address the same names.
+
+The loss contract: :meth:`MLLM.loss_sum` returns the SUM of next-token cross-entropy over
+supervised tokens of whatever (micro)batch it is given; dividing by the supervised-token
+count of the GLOBAL batch gives the same loss for any split of the batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from hetjax.modules import Params, StagedModule
+from models import tokenizer
+from models.config import MLLMConfig
+from models.encoders import make_encoder, make_projector
+from models.llm import make_llm
+
+# modality name in the data / LLM placeholders -> (encoder module, projector module, batch key)
+MODALITIES = {
+    "image": ("vision", "projector", "images"),
+    "audio": ("audio", "audio_projector", "audio"),
+}
+
+
+class MLLM:
+    """An LLaVA-style model built from a :class:`models.config.MLLMConfig`.
+
+    Args:
+        config: the model preset.
+        dtype: compute dtype (``jnp.float32`` or ``jnp.bfloat16``); parameters stay float32.
+    """
+
+    def __init__(self, config: MLLMConfig, dtype: Any = jnp.float32):
+        if config.shape_only:
+            raise ValueError(f"preset {config.name!r} is shape-only (planning); not runnable")
+        self.config = config
+        self.modules: dict[str, StagedModule] = {}
+        placeholders = {}
+        for modality, (enc_name, proj_name, _) in MODALITIES.items():
+            enc = config.encoders.get(enc_name)
+            if enc is None:
+                continue
+            self.modules[enc_name] = make_encoder(enc_name, enc, dtype)
+            self.modules[proj_name] = make_projector(proj_name, enc.width, config.llm.width, dtype)
+            placeholders[modality] = tokenizer.PLACEHOLDERS[modality]
+        self.modules["llm"] = make_llm(config.llm, placeholders, dtype)
+
+    @property
+    def modalities(self) -> list[str]:
+        return [m for m, (enc, _, _) in MODALITIES.items() if enc in self.modules]
+
+    def init(self, key: jax.Array) -> Params:
+        """Parameters per module; module ``i`` (in a fixed order) uses ``fold_in(key, i)``."""
+        order = ["vision", "projector", "audio", "audio_projector", "llm"]
+        return {
+            name: self.modules[name].init(jax.random.fold_in(key, order.index(name)))
+            for name in self.modules
+        }
+
+    def num_params(self) -> dict[str, int]:
+        return {name: m.num_params() for name, m in self.modules.items()}
+
+    def encode(self, params: Params, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+        """Projected modality tokens ``[B, N, D_llm]`` per modality."""
+        out = {}
+        for modality in self.modalities:
+            enc_name, proj_name, key = MODALITIES[modality]
+            feats_BxNxE = self.modules[enc_name](params[enc_name], batch[key])
+            out[modality] = self.modules[proj_name](params[proj_name], feats_BxNxE)
+        return out
+
+    def loss_sum(self, params: Params, batch: dict[str, jax.Array]) -> jax.Array:
+        """Summed cross-entropy over the supervised tokens of ``batch``."""
+        llm = self.modules["llm"]
+        h = llm.apply_pre(params["llm"]["pre"], batch["tokens"], **self.encode(params, batch))
+        h = llm.apply_blocks(params["llm"]["blocks"], h)
+        return llm.apply_post(params["llm"]["post"], h, batch["targets"], batch["loss_mask"])
