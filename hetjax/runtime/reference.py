@@ -80,7 +80,8 @@ class ReferenceTrainer:
         self.optimizer = optimizer
         replicated = NamedSharding(self.mesh, P())
         self._batch_sharding = NamedSharding(self.mesh, P(None, "dp"))
-        self.params = jax.device_put(params, replicated)
+        # A copy: the step donates its parameters, and the caller may still hold `params`.
+        self.params = jax.device_put(params, replicated, may_alias=False)
         self.opt_state = jax.jit(optimizer.init, out_shardings=replicated)(self.params)
 
         def train_step(params, opt_state, batch_MxB):

@@ -1,0 +1,315 @@
+"""The heterogeneous executor: per-stage programs dispatched in schedule order.
+
+Each module of a :class:`TrainGraph` is placed on its own devices with its own layout
+(:func:`hetjax.meshes.place_modules`) and split into pipeline stages; every stage gets
+its compiled programs (:class:`StageProgram`). A step walks a schedule - three-phase for
+colocated modules, graph-aware 1F1B for disjoint islands, plain 1F1B with the encoders
+fused into the LLM's first stage for the homogeneous baseline - and dispatches each
+action asynchronously: JAX queues work per device set, so stages on different devices
+run concurrently while the Python loop moves on.
+
+Transfers: inside a module, a pipeline stage hands its activation to the next stage's
+submesh (same per-device layout, so a direct device-to-device copy); between modules, a
+boundary communicator (:mod:`hetjax.boundary`) moves it from the source's layout to the
+destination's, and its backward routes the gradient back.
+
+Once per step every stage sums its per-replica gradients (the one DP reduction), the
+global gradient norm is formed from all stages' partial norms, and every stage applies
+the clipped optax update. The loss is the sink's summed loss over all microbatches
+divided by the supervised-token count of the global batch - exactly the reference's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hetjax import schedules as hs
+from hetjax.meshes import Layout, LayoutError, ModuleMesh, place_modules, validate_batch
+from hetjax.runtime.graph import TrainGraph
+from hetjax.runtime.optim import OptimizerConfig
+from hetjax.runtime.programs import StageProgram, batch_sharding
+from hetjax.runtime.transfer import LinkTransfer, stage_transfer
+
+Mode = Literal["colocated", "non-colocated", "homogeneous"]
+StageKey = tuple[str, int]  # (module name, pipeline stage index)
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    """One dispatchable step: compute on a stage, or a transfer along a stage edge."""
+
+    kind: Literal["F", "B", "SEND_F", "SEND_B"]
+    stage: StageKey  # where it runs (for sends: the producing side)
+    microbatch: int
+    peer: StageKey | None = None  # for sends: the receiving stage
+
+
+def homogeneous_graph(graph: TrainGraph) -> TrainGraph:
+    """Every encoder inherits the sink's layout (without PP), as in stock Megatron."""
+    sink = graph.module(graph.sink).layout
+    inherited = dataclasses.replace(sink, pp=1)
+    return graph.with_layouts({m.name: inherited for m in graph.modules if m.name != graph.sink})
+
+
+class Executor:
+    """Trains a :class:`TrainGraph` with per-module layouts on ``devices``.
+
+    Args:
+        graph: modules with their layouts, and the links between them.
+        params: initial parameters keyed by part name (all parts of all modules).
+        devices: all devices of the run, in canonical order.
+        mode: ``"colocated"`` (modules share all devices; three-phase schedule),
+            ``"non-colocated"`` (disjoint islands; graph-aware 1F1B), or ``"homogeneous"``
+            (the baseline: encoders use the sink's layout on its first stage's devices).
+        islands: module -> device count, for non-colocated placement.
+        microbatches: pipeline microbatches per global batch.
+        schedule: ``"1f1b"`` or ``"gpipe"`` ordering of the pipelined part.
+        optimizer: AdamW settings (its clipping is applied with the global norm).
+        mask_key: batch key whose global sum normalises the loss.
+    """
+
+    def __init__(
+        self,
+        graph: TrainGraph,
+        params: Mapping[str, Any],
+        *,
+        devices: Sequence[jax.Device],
+        mode: Mode = "colocated",
+        islands: Mapping[str, int] | None = None,
+        microbatches: int = 1,
+        schedule: Literal["1f1b", "gpipe"] = "1f1b",
+        optimizer: OptimizerConfig = OptimizerConfig(),
+        mask_key: str = "loss_mask",
+    ):
+        if mode == "homogeneous":
+            graph = homogeneous_graph(graph)
+        self.graph, self.mode, self.microbatches = graph, mode, microbatches
+        self.mask_key = mask_key
+        self.meshes = self._place(graph, list(devices), mode, islands)
+        self.anchor = devices[0]  # where per-stage scalars meet (norms, loss)
+        self.programs: dict[StageKey, StageProgram] = {
+            (spec.name, s): StageProgram(
+                spec, s, self.meshes[spec.name].stage_mesh(s),
+                is_sink=spec.name == graph.sink, optimizer=optimizer,
+            )
+            for spec in graph.modules
+            for s in range(spec.layout.pp)
+        }
+        self.params = {k: p.place_params(params) for k, p in self.programs.items()}
+        self.opt_state = {
+            k: p.init_opt_state(self.params[k]) for k, p in self.programs.items()
+        }
+        self.links = {
+            (l.src, l.dst): LinkTransfer(
+                self.meshes[l.src], self.meshes[l.dst],
+                src_stage=self.graph.module(l.src).layout.pp - 1, dst_stage=0,
+            )
+            for l in graph.links
+        }
+        self.ops = self._build_ops(schedule)
+
+    # -- set-up -------------------------------------------------------------------------
+
+    @staticmethod
+    def _place(graph, devices, mode, islands) -> dict[str, ModuleMesh]:
+        layouts = {m.name: m.layout for m in graph.modules}
+        if mode == "homogeneous":
+            sink = graph.sink
+            meshes = place_modules({sink: layouts[sink]}, devices, placement="colocated")
+            first = list(meshes[sink].stage_devices(0))
+            enc = {n: l for n, l in layouts.items() if n != sink}
+            meshes.update(place_modules(enc, first, placement="colocated") if enc else {})
+            return meshes
+        return place_modules(layouts, devices, placement=mode, islands=islands)
+
+    def _build_ops(self, name: str) -> list[Op]:
+        g = self.graph
+        if self.mode == "homogeneous":
+            return self._homogeneous_ops(name)
+        module_graph = hs.ModuleGraph(
+            {m.name: m.layout.pp for m in g.modules}, [(l.src, l.dst) for l in g.links]
+        )
+        if self.mode == "colocated" and name == "1f1b":
+            sched = hs.three_phase_for_graph(module_graph, self.microbatches)
+        elif name == "1f1b":
+            sched = hs.graph_one_f_one_b(module_graph, self.microbatches)
+        else:
+            sched = hs.graph_gpipe(module_graph, self.microbatches)
+        hs.check_schedule(sched)
+        self.schedule = sched
+        where = {info.stage: (info.module, info.index) for info in sched.stages}
+        ops = []
+        for a in hs.dispatch_order(sched):
+            if a.kind in ("F", "B"):
+                ops.append(Op(a.kind, where[a.stage], a.microbatch))
+            elif a.kind == "SEND_F":
+                ops.append(Op("SEND_F", where[a.edge.src_stage], a.microbatch,
+                              where[a.edge.dst_stage]))
+            elif a.kind == "SEND_B":
+                ops.append(Op("SEND_B", where[a.edge.dst_stage], a.microbatch,
+                              where[a.edge.src_stage]))
+        return ops
+
+    def _homogeneous_ops(self, name: str) -> list[Op]:
+        """The sink's pipeline schedule with each encoder fused into its first stage."""
+        sink = self.graph.sink
+        pp = self.graph.module(sink).layout.pp
+        sched = (hs.one_f_one_b if name == "1f1b" else hs.gpipe)(pp, self.microbatches,
+                                                                  module=sink)
+        hs.check_schedule(sched)
+        self.schedule = sched
+        encoders = [l.src for l in self.graph.links_into(sink)]
+        ops: list[Op] = []
+        for a in hs.dispatch_order(sched):
+            m = a.microbatch
+            if a.kind == "F":
+                if a.stage == 0:
+                    for e in encoders:
+                        ops += [Op("F", (e, 0), m), Op("SEND_F", (e, 0), m, (sink, 0))]
+                ops.append(Op("F", (sink, a.stage), m))
+            elif a.kind == "B":
+                ops.append(Op("B", (sink, a.stage), m))
+                if a.stage == 0:
+                    for e in encoders:
+                        ops += [Op("SEND_B", (sink, 0), m, (e, 0)), Op("B", (e, 0), m)]
+            elif a.kind == "SEND_F":
+                ops.append(Op("SEND_F", (sink, a.edge.src_stage), m, (sink, a.edge.dst_stage)))
+            elif a.kind == "SEND_B":
+                ops.append(Op("SEND_B", (sink, a.edge.dst_stage), m, (sink, a.edge.src_stage)))
+        return ops
+
+    # -- one step -----------------------------------------------------------------------
+
+    def validate_batch(self, global_batch: int) -> None:
+        for spec in self.graph.modules:
+            validate_batch(spec.name, spec.layout, global_batch, self.microbatches)
+
+    def _microbatch(self, batch: Mapping[str, np.ndarray], key: StageKey, m: int):
+        prog = self.programs[key]
+        size = next(iter(batch.values())).shape[0] // self.microbatches
+        return {
+            k: jax.device_put(batch[k][m * size : (m + 1) * size],
+                              batch_sharding(prog.mesh, batch[k].ndim))
+            for k in prog.batch_keys
+        }
+
+    def step(self, batch: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
+        """One optimiser step over the global ``batch``; returns metrics (device scalars)."""
+        self.validate_batch(next(iter(batch.values())).shape[0])
+        normalizer = jnp.float32(max(float(np.sum(batch[self.mask_key])), 1.0))
+        g = self.graph
+        acc = {k: p.zeros() for k, p in self.programs.items()}
+        inbox: dict[tuple[StageKey, int], Any] = {}  # forward inputs waiting for F
+        outbox: dict[tuple[StageKey, int], Any] = {}  # forward outputs waiting for SEND_F
+        stash: dict[tuple[StageKey, int], Any] = {}  # F inputs kept for B
+        grads_in: dict[tuple[StageKey, int], Any] = {}  # output cotangents waiting for B
+        grads_out: dict[tuple[StageKey, int], Any] = {}  # input cotangents for SEND_B
+        data: dict[tuple[StageKey, int], Any] = {}
+        losses = []
+        for op in self.ops:
+            key, m = op.stage, op.microbatch
+            prog = self.programs[key]
+            if op.kind == "F":
+                x = inbox.pop((key, m), {} if prog.first else None)
+                data[(key, m)] = self._microbatch(batch, key, m)
+                stash[(key, m)] = x
+                if not (prog.is_sink and prog.last):
+                    outbox[(key, m)] = prog.fwd(self.params[key], x, data[(key, m)])
+            elif op.kind == "B":
+                x = stash.pop((key, m))
+                acc[key], gx, loss = prog.bwd(
+                    self.params[key], acc[key], x, data.pop((key, m)),
+                    grads_in.pop((key, m), None), normalizer,
+                )
+                if prog.is_sink and prog.last:
+                    losses.append(loss)
+                grads_out[(key, m)] = gx
+            elif op.kind == "SEND_F":
+                y, dst = outbox[(key, m)], op.peer
+                if dst[0] == key[0]:
+                    inbox[(dst, m)] = stage_transfer(y, self.programs[dst].mesh)
+                else:
+                    link = next(l for l in g.links_into(dst[0]) if l.src == key[0])
+                    inbox.setdefault((dst, m), {})[link.name] = self.links[
+                        (key[0], dst[0])].forward(y)
+            elif op.kind == "SEND_B":
+                gx, src = grads_out[(key, m)], op.peer
+                if src[0] == key[0]:
+                    g_src = stage_transfer(gx, self.programs[src].mesh)
+                else:
+                    link = next(l for l in g.links_into(key[0]) if l.src == src[0])
+                    g_src = self.links[(src[0], key[0])].backward(gx[link.name])
+                prev = grads_in.get((src, m))
+                grads_in[(src, m)] = g_src if prev is None else prev + g_src
+        return self._finish_step(acc, losses, normalizer)
+
+    def _gather(self, scalars: Sequence[jax.Array]) -> jax.Array:
+        """Sums per-stage scalars on the anchor device (asynchronously)."""
+        return sum(jax.device_put(s, self.anchor) for s in scalars)
+
+    def _finish_step(self, acc, losses, normalizer) -> dict[str, jax.Array]:
+        reduced = {k: p.reduce(acc[k]) for k, p in self.programs.items()}
+        sq = defaultdict(list)
+        for _, norms in reduced.values():
+            for name, v in norms.items():
+                sq[name].append(v)
+        sq = {name: self._gather(vs) for name, vs in sq.items()}
+        global_norm = jnp.sqrt(sum(sq.values()))
+        param_sq = defaultdict(list)
+        for k, p in self.programs.items():
+            self.params[k], self.opt_state[k], norms = p.update(
+                self.params[k], self.opt_state[k], reduced[k][0],
+                jax.device_put(global_norm, p.replicated),
+            )
+            for name, v in norms.items():
+                param_sq[name].append(v)
+        return {
+            "loss": self._gather(losses),
+            "grad_norm": global_norm,
+            **{f"grad_norm/{n}": jnp.sqrt(v) for n, v in sq.items()},
+            **{f"param_norm/{n}": jnp.sqrt(self._gather(v)) for n, v in param_sq.items()},
+            "supervised_tokens": normalizer,
+        }
+
+    # -- inspection ---------------------------------------------------------------------
+
+    def full_params(self) -> dict[str, Any]:
+        """All parameters gathered into the reference's layout (host numpy arrays)."""
+        out: dict[str, Any] = {}
+        for spec in self.graph.modules:
+            main = spec.parts[0]
+            stages = [jax.device_get(self.params[(spec.name, s)])
+                      for s in range(spec.layout.pp)]
+            tree = {}
+            if "pre" in stages[0][main.name]:
+                tree["pre"] = stages[0][main.name]["pre"]
+            if "blocks" in stages[0][main.name]:
+                tree["blocks"] = jax.tree.map(
+                    lambda *xs: np.concatenate(xs), *[s[main.name]["blocks"] for s in stages]
+                )
+            if "post" in stages[-1][main.name]:
+                tree["post"] = stages[-1][main.name]["post"]
+            out[main.name] = tree
+            for part in spec.parts[1:]:
+                out[part.name] = stages[-1][part.name]
+        return out
+
+
+def parse_layouts(items: Sequence[str], modules: Sequence[str]) -> dict[str, Layout]:
+    """``["vision:dp=8", "llm:dp=2,tp=2,pp=2"]`` -> layouts; unknown modules are errors."""
+    out = {}
+    for item in items:
+        name, sep, text = item.partition(":")
+        if not sep or name not in modules:
+            raise LayoutError(
+                f"--layout {item!r}: expected MODULE:LAYOUT with MODULE one of {list(modules)}"
+            )
+        out[name] = Layout.parse(text)
+    return out
