@@ -127,6 +127,8 @@ class Executor:
             enc = {n: l for n, l in layouts.items() if n != sink}
             meshes.update(place_modules(enc, first, placement="colocated") if enc else {})
             return meshes
+        if mode == "non-colocated":
+            islands = island_positions(islands, layouts, len(devices))
         return place_modules(layouts, devices, placement=mode, islands=islands)
 
     def _build_ops(self, name: str) -> list[Op]:
@@ -300,6 +302,38 @@ class Executor:
             for part in spec.parts[1:]:
                 out[part.name] = stages[-1][part.name]
         return out
+
+
+def island_positions(
+    counts: Mapping[str, int] | None, layouts: Mapping[str, Layout], num_devices: int
+) -> dict[str, tuple[int, ...]]:
+    """Island device COUNTS (``--island vision:4``), assigned in order -> device positions."""
+    if not counts:
+        raise LayoutError(
+            "non-colocated placement needs an island per module, e.g. "
+            + " ".join(f"--island {n}:{l.num_devices}" for n, l in layouts.items())
+        )
+    missing = [n for n in layouts if n not in counts]
+    unknown = [n for n in counts if n not in layouts]
+    if missing or unknown:
+        raise LayoutError(
+            f"islands must name each module once: missing {missing}, unknown {unknown}"
+        )
+    positions, start = {}, 0
+    for name, count in counts.items():
+        if count != layouts[name].num_devices:
+            raise LayoutError(
+                f"{name}: island of {count} devices but its layout {layouts[name]} needs "
+                f"{layouts[name].num_devices}; make --island {name}:N match the layout"
+            )
+        positions[name] = tuple(range(start, start + count))
+        start += count
+    if start > num_devices:
+        raise LayoutError(
+            f"islands need {start} devices but only {num_devices} exist; shrink the islands "
+            f"or use --devices {start}"
+        )
+    return positions
 
 
 def parse_layouts(items: Sequence[str], modules: Sequence[str]) -> dict[str, Layout]:

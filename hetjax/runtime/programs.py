@@ -113,19 +113,20 @@ class StageProgram:
         )
         self.zeros = jax.jit(self._zeros, out_shardings=self.acc_shardings)
         self.reduce = jax.jit(self._reduce, out_shardings=(self.param_shardings, None))
-        self.init_opt_state = jax.jit(self.optimizer.init)
-        self._update_jit = None
-
-    def update(self, params, opt_state, grads, global_norm):
-        """Clipped optimiser update with the global norm; returns params, state, norms."""
-        if self._update_jit is None:
-            state_shardings = jax.tree.map(lambda a: a.sharding, opt_state)
-            self._update_jit = jax.jit(
-                self._update,
-                donate_argnums=(0, 1, 2),
-                out_shardings=(self.param_shardings, state_shardings, None),
-            )
-        return self._update_jit(params, opt_state, grads, global_norm)
+        # Optimiser moments are sharded like their parameters; counters are replicated.
+        self.state_shardings = optax.tree_map_params(
+            self.optimizer,
+            lambda _, sharding: sharding,
+            jax.eval_shape(self.optimizer.init, self._abstract_stage()),
+            self.param_shardings,
+            transform_non_params=lambda _: self.replicated,
+        )
+        self.init_opt_state = jax.jit(self.optimizer.init, out_shardings=self.state_shardings)
+        self.update = jax.jit(
+            self._update,
+            donate_argnums=(0, 1, 2),
+            out_shardings=(self.param_shardings, self.state_shardings, None),
+        )
 
     # -- parameters ---------------------------------------------------------------------
 
@@ -198,11 +199,13 @@ class StageProgram:
         gx = jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]), gx)
         return acc, gx, jnp.sum(loss)
 
-    def _zeros(self):
+    def _abstract_stage(self):
         full = {p.name: p.abstract_params() for p in self.spec.parts}
+        return jax.eval_shape(self.slice_params, full)
+
+    def _zeros(self):
         return jax.tree.map(
-            lambda s: jnp.zeros((self.replicas, *s.shape), jnp.float32),
-            jax.eval_shape(self.slice_params, full),
+            lambda s: jnp.zeros((self.replicas, *s.shape), jnp.float32), self._abstract_stage()
         )
 
     def _reduce(self, acc):

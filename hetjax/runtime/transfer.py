@@ -29,13 +29,15 @@ class LinkTransfer:
     """The boundary communicator of one module link (``src`` last stage -> ``dst`` stage 0)."""
 
     def __init__(self, src: ModuleMesh, dst: ModuleMesh, *, src_stage: int, dst_stage: int):
-        self.boundary = Boundary(
-            EdgeSpec(Endpoint.source(src, stage=src_stage),
-                     Endpoint.destination(dst, stage=dst_stage))
-        )
+        source = Endpoint.source(src, stage=src_stage)
+        destination = Endpoint.destination(dst, stage=dst_stage)
+        # The homogeneous baseline puts the encoder on the LLM's first stage with the same
+        # layout: the activation is already where it must be, nothing to move.
+        self.identity = source.sharding == destination.sharding
+        self.boundary = None if self.identity else Boundary(EdgeSpec(source, destination))
 
     def forward(self, x: jax.Array) -> jax.Array:
-        return self.boundary.forward(x)
+        return x if self.boundary is None else self.boundary.forward(x)
 
     def backward(self, ct: jax.Array) -> jax.Array:
-        return self.boundary.backward(ct)
+        return ct if self.boundary is None else self.boundary.backward(ct)
