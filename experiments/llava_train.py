@@ -1,13 +1,13 @@
 """Train an LLaVA-style MLLM on synthetic data: ``python -m experiments.llava_train``.
 
-With no flags: the ``tiny`` preset on 8 simulated CPU devices (or the visible GPUs),
-data parallel, for a run that finishes in well under two minutes on a laptop CPU.
+With no flags: the ``tiny`` preset on 8 simulated CPU devices (or the visible GPUs) with
+a heterogeneous colocated layout - the encoder data parallel over every device, the LLM
+with ``pp=2, tp=2`` - for a run that finishes in well under two minutes on a laptop CPU.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Sequence
 from typing import Literal
 
@@ -20,8 +20,6 @@ from experiments.cli import (
     setup_devices,
 )
 
-log = logging.getLogger(__name__)
-
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
@@ -30,7 +28,7 @@ class TrainConfig:
     model: str = "tiny"  # model preset: tiny, tiny-av, small
     steps: int = 200  # optimiser steps
     global_batch: int = 32  # samples per step, over all devices and microbatches
-    microbatches: int = 1  # gradient-accumulation steps per global batch
+    microbatches: int = 4  # pipeline microbatches per global batch
     seq_len: int | None = None  # text+media tokens per sample (None: the preset's)
     dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype; params stay float32
     seed: int = 0  # initialisation and data seed
@@ -40,6 +38,14 @@ class TrainConfig:
     clip_norm: float = 1.0  # global gradient-norm clip
     devices: int | None = None  # simulated CPU devices if no GPU (None: 8; on GPU: all)
     metrics: str | None = None  # JSON Lines path for per-step metrics
+    layout: tuple[str, ...] = ()  # MODULE:LAYOUT items, e.g. ("llm:dp=2,tp=2,pp=2",)
+    placement: Literal["colocated", "non-colocated"] = "colocated"
+    island: tuple[str, ...] = ()  # MODULE:N device counts for non-colocated placement
+    homogeneous: bool = False  # baseline: encoders inherit the LLM's layout and first stage
+    schedule: Literal["1f1b", "gpipe"] = "1f1b"  # pipeline order of the pipelined part
+    offload_encoder: bool = False  # colocated: encoder state in host memory in phase 2
+    timeline: str | None = None  # PNG path: Gantt chart of the last (profiled) step
+    reference: bool = False  # plain data-parallel reference trainer instead
 
 
 def parse_args(argv: Sequence[str]) -> TrainConfig:
@@ -48,7 +54,8 @@ def parse_args(argv: Sequence[str]) -> TrainConfig:
     p.add_argument("--model", default=d.model, help="model preset: tiny, tiny-av, small")
     p.add_argument("--steps", type=positive_int, default=d.steps)
     p.add_argument("--global-batch", type=positive_int, default=d.global_batch)
-    p.add_argument("--microbatches", type=positive_int, default=d.microbatches)
+    p.add_argument("--microbatches", type=positive_int, default=d.microbatches,
+                   help="pipeline microbatches per global batch")
     p.add_argument("--seq-len", type=positive_int, default=d.seq_len)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=d.dtype)
     p.add_argument("--seed", type=int, default=d.seed)
@@ -59,8 +66,43 @@ def parse_args(argv: Sequence[str]) -> TrainConfig:
     p.add_argument("--devices", type=positive_int, default=d.devices,
                    help="simulated CPU devices when there is no GPU (default 8)")
     p.add_argument("--metrics", default=d.metrics, help="write per-step metrics (JSON Lines)")
+    p.add_argument("--layout", action="append", default=[], metavar="MODULE:LAYOUT",
+                   help="e.g. vision:dp=8 or llm:dp=2,tp=2,pp=2 (repeatable)")
+    p.add_argument("--placement", choices=["colocated", "non-colocated"], default=d.placement)
+    p.add_argument("--island", action="append", default=[], metavar="MODULE:N",
+                   help="device count of a module's island, assigned in order (repeatable)")
+    p.add_argument("--homogeneous", action="store_true",
+                   help="baseline: encoders inherit the LLM's layout on its first stage")
+    p.add_argument("--schedule", choices=["1f1b", "gpipe"], default=d.schedule)
+    p.add_argument("--offload-encoder", action="store_true",
+                   help="colocated: encoder params/optimizer state in host memory in phase 2")
+    p.add_argument("--timeline", default=d.timeline, metavar="PATH.png",
+                   help="profile the last step and draw its simulated Gantt chart")
+    p.add_argument("--reference", action="store_true",
+                   help="train with the plain data-parallel reference trainer instead")
     args = p.parse_args(list(argv))
-    return TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
+    values["layout"], values["island"] = tuple(args.layout), tuple(args.island)
+    return TrainConfig(**values)
+
+
+def default_layouts(modules: Sequence[str], num_devices: int) -> dict[str, str]:
+    """No ``--layout`` at all: encoders data parallel over every device; the LLM with
+    ``pp=2, tp=2`` when the device count allows it, else data parallel."""
+    llm = f"dp={num_devices // 4},tp=2,pp=2" if num_devices % 4 == 0 else f"dp={num_devices}"
+    return {m: (llm if m == "llm" else f"dp={num_devices}") for m in modules}
+
+
+def parse_islands(items: Sequence[str]) -> dict[str, int]:
+    out = {}
+    for item in items:
+        name, sep, count = item.partition(":")
+        if not sep or not count.isdigit() or int(count) < 1:
+            raise ConfigError(f"--island {item!r}: expected MODULE:N with N a positive integer")
+        if name in out:
+            raise ConfigError(f"--island {name} given twice; give each module one island")
+        out[name] = int(count)
+    return out
 
 
 def main(config: TrainConfig) -> int:
@@ -78,7 +120,6 @@ def main(config: TrainConfig) -> int:
         preset = get_preset(config.model)
         seq_len = config.seq_len or preset.seq_len
         dataset = SyntheticLlava(DataConfig.for_model(preset, seq_len=seq_len, seed=config.seed))
-        hetjax.runtime.check_batch_split(config.global_batch, config.microbatches, len(devices))
         opt_cfg = hetjax.OptimizerConfig(
             lr=config.lr,
             total_steps=config.steps,
@@ -88,19 +129,14 @@ def main(config: TrainConfig) -> int:
             weight_decay=config.weight_decay,
             clip_norm=config.clip_norm,
         )
-    except ValueError as e:
+        model = MLLM(preset, dtype=jnp.bfloat16 if config.dtype == "bfloat16" else jnp.float32)
+        params = model.init(jax.random.key(config.seed))
+        if config.reference:
+            trainer, layout_text = _reference(config, model, params, opt_cfg, devices)
+        else:
+            trainer, layout_text = _heterogeneous(config, model, params, opt_cfg, devices)
+    except ValueError as e:  # LayoutError, BoundaryError, ScheduleError are ValueErrors
         raise ConfigError(str(e)) from None
-
-    model = MLLM(preset, dtype=jnp.bfloat16 if config.dtype == "bfloat16" else jnp.float32)
-    params = model.init(jax.random.key(config.seed))
-    axes = {name: m.logical_axes() for name, m in model.modules.items()}
-    trainer = hetjax.ReferenceTrainer(
-        model.loss_sum,
-        params,
-        hetjax.make_optimizer(opt_cfg, logical_axes=axes),
-        devices=devices,
-        microbatches=config.microbatches,
-    )
 
     hooks: list = []
     if jax.process_index() == 0:
@@ -112,17 +148,64 @@ def main(config: TrainConfig) -> int:
             "model": f"{preset.name}: {sum(counts.values()):,} params ("
                      + ", ".join(f"{k} {v:,}" for k, v in counts.items()) + ")",
             "devices": f"{len(devices)} x {devices[0].platform}",
-            "layout": f"reference data parallel: dp={len(devices)}, "
-                      f"{config.microbatches} microbatch(es)",
-            "batch": f"{config.global_batch} samples x {seq_len} tokens, {config.dtype}",
+            "layout": layout_text,
+            "batch": f"{config.global_batch} samples x {seq_len} tokens, "
+                     f"{config.microbatches} microbatch(es), {config.dtype}",
         }))
-    hetjax.run_training(
-        lambda step: trainer.step(dataset.batch(step, config.global_batch)),
-        config.steps,
-        tokens_per_step=config.global_batch * seq_len,
-        hooks=hooks,
-    )
+
+    def step(i: int):
+        profile = config.timeline is not None and i == config.steps - 1
+        batch = dataset.batch(i, config.global_batch)
+        return trainer.step(batch, profile=True) if profile else trainer.step(batch)
+
+    hetjax.run_training(step, config.steps, tokens_per_step=config.global_batch * seq_len,
+                        hooks=hooks)
+    if config.timeline and jax.process_index() == 0:
+        timeline = trainer.timeline()
+        timeline.to_png(config.timeline)
+        bubbles = ", ".join(f"{b:.2f}" for b in timeline.bubble)
+        print(f"timeline: {config.timeline} (simulated bubble per stage: {bubbles})")
     return 0
+
+
+def _reference(config, model, params, opt_cfg, devices):
+    import hetjax
+
+    if config.timeline:
+        raise ConfigError("--timeline needs a pipelined run; drop --reference")
+    hetjax.runtime.check_batch_split(config.global_batch, config.microbatches, len(devices))
+    axes = {name: m.logical_axes() for name, m in model.modules.items()}
+    trainer = hetjax.ReferenceTrainer(
+        model.loss_sum, params, hetjax.make_optimizer(opt_cfg, logical_axes=axes),
+        devices=devices, microbatches=config.microbatches,
+    )
+    return trainer, f"reference data parallel: dp={len(devices)}"
+
+
+def _heterogeneous(config, model, params, opt_cfg, devices):
+    import hetjax
+
+    names = model.module_names
+    given = hetjax.runtime.parse_layouts(config.layout, names)
+    if not given:
+        given = {n: hetjax.Layout.parse(t) for n, t in default_layouts(names, len(devices)).items()}
+    elif "llm" not in given:
+        raise ConfigError("give the LLM's layout too, e.g. --layout llm:dp=2,tp=2,pp=2")
+    layouts = {n: given.get(n, given["llm"]) for n in names}
+    model.validate_layouts(layouts)
+    mode = "homogeneous" if config.homogeneous else config.placement
+    if config.island and mode != "non-colocated":
+        raise ConfigError("--island is only for --placement non-colocated")
+    trainer = hetjax.Executor(
+        model.train_graph(layouts), params, devices=devices, mode=mode,
+        islands=parse_islands(config.island) if config.island else None,
+        microbatches=config.microbatches, schedule=config.schedule, optimizer=opt_cfg,
+        offload_encoders=config.offload_encoder,
+    )
+    trainer.validate_batch(config.global_batch)
+    shown = {spec.name: str(spec.layout) for spec in trainer.graph.modules}
+    text = f"{mode}: " + "; ".join(f"{n} {l}" for n, l in shown.items())
+    return trainer, text + f"; schedule {trainer.schedule.name}"
 
 
 if __name__ == "__main__":

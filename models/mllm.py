@@ -12,11 +12,14 @@ count of the GLOBAL batch gives the same loss for any split of the batch.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from hetjax import Layout, Link, ModuleSpec, TrainGraph
+from hetjax.meshes import validate_divisible
 from hetjax.modules import Params, StagedModule
 from models import tokenizer
 from models.config import MLLMConfig
@@ -83,3 +86,41 @@ class MLLM:
         h = llm.apply_pre(params["llm"]["pre"], batch["tokens"], **self.encode(params, batch))
         h = llm.apply_blocks(params["llm"]["blocks"], h)
         return llm.apply_post(params["llm"]["post"], h, batch["targets"], batch["loss_mask"])
+
+    def train_graph(self, layouts: Mapping[str, Layout]) -> TrainGraph:
+        """The model as a heterogeneous training graph: one module per encoder (with its
+        projector) and the LLM, each with its layout; encoders link into the LLM.
+
+        Args:
+            layouts: layout per module name (``vision``, ``audio``, ``llm``); every module
+                must have one (see :func:`resolve_layouts` for the CLI's defaults).
+        """
+        modules, links = [], []
+        for modality in self.modalities:
+            enc_name, proj_name, key = MODALITIES[modality]
+            modules.append(ModuleSpec(
+                enc_name, parts=(self.modules[enc_name], self.modules[proj_name]),
+                layout=layouts[enc_name], inputs=(key,),
+            ))
+            links.append(Link(enc_name, "llm", modality))
+        modules.append(ModuleSpec(
+            "llm", parts=(self.modules["llm"],), layout=layouts["llm"], inputs=("tokens",),
+            loss_inputs=("targets", "loss_mask"),
+        ))
+        return TrainGraph(tuple(modules), tuple(links))
+
+    @property
+    def module_names(self) -> list[str]:
+        """Layout / island names: the encoders present, then ``llm``."""
+        return [MODALITIES[m][0] for m in self.modalities] + ["llm"]
+
+    def validate_layouts(self, layouts: Mapping[str, Layout]) -> None:
+        """Heads, kv heads, MLP width, vocabulary and layers divisible by tp / pp."""
+        for name, layout in layouts.items():
+            if name == "llm":
+                c = self.config.llm
+                validate_divisible(name, layout, heads=c.heads, kv_heads=c.kv_heads,
+                                   layers=c.depth, mlp=c.mlp, vocab=c.vocab)
+            else:
+                c = self.config.encoders[name]
+                validate_divisible(name, layout, heads=c.heads, layers=c.depth, mlp=c.mlp)

@@ -1,5 +1,11 @@
 """Training runtime: the reference trainer, the optimiser, the host loop and its hooks."""
 
+from .executor import Executor as Executor
+from .executor import island_positions as island_positions
+from .executor import parse_layouts as parse_layouts
+from .graph import Link as Link
+from .graph import ModuleSpec as ModuleSpec
+from .graph import TrainGraph as TrainGraph
 from .loop import Hook as Hook
 from .loop import JsonlWriter as JsonlWriter
 from .loop import ProgressBar as ProgressBar
@@ -14,6 +20,12 @@ from .reference import check_batch_split as check_batch_split
 from .reference import split_microbatches as split_microbatches
 
 __all__ = [
+    "Executor",
+    "Link",
+    "ModuleSpec",
+    "TrainGraph",
+    "island_positions",
+    "parse_layouts",
     "Hook",
     "JsonlWriter",
     "OptimizerConfig",

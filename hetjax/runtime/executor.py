@@ -22,6 +22,7 @@ divided by the supervised-token count of the global batch - exactly the referenc
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
@@ -49,6 +50,7 @@ class Op:
     stage: StageKey  # where it runs (for sends: the producing side)
     microbatch: int
     peer: StageKey | None = None  # for sends: the receiving stage
+    phase: int = 0  # three-phase: 0 encoder forward, 1 LLM pipeline, 2 encoder backward
 
 
 def homogeneous_graph(graph: TrainGraph) -> TrainGraph:
@@ -73,6 +75,8 @@ class Executor:
         schedule: ``"1f1b"`` or ``"gpipe"`` ordering of the pipelined part.
         optimizer: AdamW settings (its clipping is applied with the global norm).
         mask_key: batch key whose global sum normalises the loss.
+        offload_encoders: colocated only: keep encoder parameters and optimiser state in
+            host memory (``pinned_host``) during the LLM pipeline phase.
     """
 
     def __init__(
@@ -87,9 +91,22 @@ class Executor:
         schedule: Literal["1f1b", "gpipe"] = "1f1b",
         optimizer: OptimizerConfig = OptimizerConfig(),
         mask_key: str = "loss_mask",
+        offload_encoders: bool = False,
     ):
         if mode == "homogeneous":
             graph = homogeneous_graph(graph)
+        if offload_encoders and mode != "colocated":
+            raise LayoutError(
+                "encoder offload needs the colocated three-phase schedule (the encoder is idle "
+                "during the LLM phase); drop --offload-encoder or use --placement colocated"
+            )
+        if mode == "colocated" and schedule != "1f1b":
+            raise LayoutError(
+                f"colocated placement runs the three-phase schedule (its LLM phase is 1F1B); "
+                f"--schedule {schedule} is only for non-colocated or homogeneous runs"
+            )
+        self.offload_encoders = offload_encoders
+        self.memory_log: list[tuple[int, str]] = []  # (phase, memory kind of encoder params)
         self.graph, self.mode, self.microbatches = graph, mode, microbatches
         self.mask_key = mask_key
         self.meshes = self._place(graph, list(devices), mode, islands)
@@ -114,6 +131,7 @@ class Executor:
             for l in graph.links
         }
         self.ops = self._build_ops(schedule)
+        self.op_times: dict[tuple[str, StageKey], list[float]] = defaultdict(list)
 
     # -- set-up -------------------------------------------------------------------------
 
@@ -147,16 +165,17 @@ class Executor:
         hs.check_schedule(sched)
         self.schedule = sched
         where = {info.stage: (info.module, info.index) for info in sched.stages}
+        self.stage_ids = {v: k for k, v in where.items()}
         ops = []
         for a in hs.dispatch_order(sched):
             if a.kind in ("F", "B"):
-                ops.append(Op(a.kind, where[a.stage], a.microbatch))
+                ops.append(Op(a.kind, where[a.stage], a.microbatch, phase=a.phase))
             elif a.kind == "SEND_F":
                 ops.append(Op("SEND_F", where[a.edge.src_stage], a.microbatch,
-                              where[a.edge.dst_stage]))
+                              where[a.edge.dst_stage], phase=a.phase))
             elif a.kind == "SEND_B":
                 ops.append(Op("SEND_B", where[a.edge.dst_stage], a.microbatch,
-                              where[a.edge.src_stage]))
+                              where[a.edge.src_stage], phase=a.phase))
         return ops
 
     def _homogeneous_ops(self, name: str) -> list[Op]:
@@ -167,6 +186,7 @@ class Executor:
                                                                   module=sink)
         hs.check_schedule(sched)
         self.schedule = sched
+        self.stage_ids = {(sink, s): s for s in range(pp)}
         encoders = [l.src for l in self.graph.links_into(sink)]
         ops: list[Op] = []
         for a in hs.dispatch_order(sched):
@@ -202,8 +222,14 @@ class Executor:
             for k in prog.batch_keys
         }
 
-    def step(self, batch: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
-        """One optimiser step over the global ``batch``; returns metrics (device scalars)."""
+    def step(
+        self, batch: Mapping[str, np.ndarray], *, profile: bool = False
+    ) -> dict[str, jax.Array]:
+        """One optimiser step over the global ``batch``; returns metrics (device scalars).
+
+        With ``profile=True`` every F/B waits for its result and its wall time is kept in
+        :attr:`op_times` (for :meth:`timeline`); values are unchanged, only slower.
+        """
         self.validate_batch(next(iter(batch.values())).shape[0])
         normalizer = jnp.float32(max(float(np.sum(batch[self.mask_key])), 1.0))
         g = self.graph
@@ -215,7 +241,13 @@ class Executor:
         grads_out: dict[tuple[StageKey, int], Any] = {}  # input cotangents for SEND_B
         data: dict[tuple[StageKey, int], Any] = {}
         losses = []
+        phase = 0
         for op in self.ops:
+            if op.phase != phase:
+                phase = op.phase
+                if self.offload_encoders:
+                    self._move_encoders("pinned_host" if phase == 1 else "device")
+                    self.memory_log.append((phase, self._encoder_memory_kind()))
             key, m = op.stage, op.microbatch
             prog = self.programs[key]
             if op.kind == "F":
@@ -223,13 +255,21 @@ class Executor:
                 data[(key, m)] = self._microbatch(batch, key, m)
                 stash[(key, m)] = x
                 if not (prog.is_sink and prog.last):
+                    t0 = time.perf_counter()
                     outbox[(key, m)] = prog.fwd(self.params[key], x, data[(key, m)])
+                    if profile:
+                        jax.block_until_ready(outbox[(key, m)])
+                        self.op_times[("F", key)].append(time.perf_counter() - t0)
             elif op.kind == "B":
                 x = stash.pop((key, m))
+                t0 = time.perf_counter()
                 acc[key], gx, loss = prog.bwd(
                     self.params[key], acc[key], x, data.pop((key, m)),
                     grads_in.pop((key, m), None), normalizer,
                 )
+                if profile:
+                    jax.block_until_ready((acc[key], gx))
+                    self.op_times[("B", key)].append(time.perf_counter() - t0)
                 if prog.is_sink and prog.last:
                     losses.append(loss)
                 grads_out[(key, m)] = gx
@@ -251,6 +291,29 @@ class Executor:
                 prev = grads_in.get((src, m))
                 grads_in[(src, m)] = g_src if prev is None else prev + g_src
         return self._finish_step(acc, losses, normalizer)
+
+    def _encoder_keys(self) -> list[StageKey]:
+        return [k for k in self.programs if k[0] != self.graph.sink]
+
+    def _move_encoders(self, memory_kind: str) -> None:
+        """Moves encoder parameters and optimiser state to ``memory_kind`` (async copies)."""
+        def move(tree, shardings):
+            if memory_kind != "device":  # back to device: exactly the compiled shardings
+                shardings = jax.tree.map(lambda s: s.with_memory_kind(memory_kind), shardings)
+            return jax.device_put(tree, shardings)
+
+        for k in self._encoder_keys():
+            prog = self.programs[k]
+            self.params[k] = move(self.params[k], prog.param_shardings)
+            self.opt_state[k] = move(self.opt_state[k], prog.state_shardings)
+
+    def _encoder_memory_kind(self) -> str:
+        kinds = {
+            a.sharding.memory_kind
+            for k in self._encoder_keys()
+            for a in jax.tree.leaves((self.params[k], self.opt_state[k]))
+        }
+        return ",".join(sorted(kinds))
 
     def _gather(self, scalars: Sequence[jax.Array]) -> jax.Array:
         """Sums per-stage scalars on the anchor device (asynchronously)."""
@@ -281,6 +344,20 @@ class Executor:
         }
 
     # -- inspection ---------------------------------------------------------------------
+
+    def timeline(self) -> hs.Timeline:
+        """The schedule simulated with the mean F/B times measured by profiled steps.
+
+        In the homogeneous baseline the encoders run inside the LLM's first stage, so their
+        times are added to that stage's.
+        """
+        if not self.op_times:
+            raise ValueError("no profiled step yet: call step(batch, profile=True) first")
+        durations: dict[tuple[str, int], float] = defaultdict(float)
+        for (kind, key), times in self.op_times.items():
+            stage = self.stage_ids.get(key, self.stage_ids.get((self.graph.sink, 0)))
+            durations[(kind, stage)] += sum(times) / len(times)
+        return hs.simulate(self.schedule, dict(durations))
 
     def full_params(self) -> dict[str, Any]:
         """All parameters gathered into the reference's layout (host numpy arrays)."""
