@@ -353,7 +353,8 @@ class Executor:
         """
         if not self.op_times:
             raise ValueError("no profiled step yet: call step(batch, profile=True) first")
-        durations: dict[tuple[str, int], float] = defaultdict(float)
+        # The sink's last stage does its forward inside its backward (F only stashes).
+        durations = {(k, info.stage): 0.0 for info in self.schedule.stages for k in "FB"}
         for (kind, key), times in self.op_times.items():
             stage = self.stage_ids.get(key, self.stage_ids.get((self.graph.sink, 0)))
             durations[(kind, stage)] += sum(times) / len(times)

@@ -1,0 +1,35 @@
+"""Per-module layouts, device placement, module meshes and logical-axis rules."""
+
+from .layout import DEGREES as DEGREES
+from .layout import MESH_AXES as MESH_AXES
+from .layout import STAGE_AXES as STAGE_AXES
+from .layout import Layout as Layout
+from .layout import LayoutError as LayoutError
+from .placement import ModuleMesh as ModuleMesh
+from .placement import Placement as Placement
+from .placement import place_modules as place_modules
+from .placement import validate_layout as validate_layout
+from .rules import LOGICAL_AXIS_RULES as LOGICAL_AXIS_RULES
+from .rules import logical_to_sharding as logical_to_sharding
+from .rules import logical_to_spec as logical_to_spec
+from .rules import param_shardings as param_shardings
+from .validation import validate_batch as validate_batch
+from .validation import validate_divisible as validate_divisible
+
+__all__ = [
+    "DEGREES",
+    "LOGICAL_AXIS_RULES",
+    "MESH_AXES",
+    "STAGE_AXES",
+    "Layout",
+    "LayoutError",
+    "ModuleMesh",
+    "Placement",
+    "logical_to_sharding",
+    "logical_to_spec",
+    "param_shardings",
+    "place_modules",
+    "validate_batch",
+    "validate_divisible",
+    "validate_layout",
+]

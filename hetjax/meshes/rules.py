@@ -1,0 +1,121 @@
+"""Logical-axis rules: parameter and activation axis names -> PartitionSpecs on a module mesh.
+
+Models name every array dimension with a logical name (``"embed"``, ``"heads"``, ...);
+these rules, the same for every module, turn names into mesh axes. Because each module
+has its own mesh (its own degrees), the same model code gets a different physical layout
+per module, unlike a single global rule set tied to one mesh.
+
+Megatron tensor parallelism falls out of one name -> axis map: the models put
+``"heads"``/``"kv_heads"``/``"mlp"`` on the OUTPUT dim of column-parallel weights (QKV,
+MLP up/gate) and on the INPUT dim of row-parallel ones (attention out, MLP down), and
+``"vocab"`` on the vocabulary dim of the embedding table and LM head.
+
+Mesh axes of size 1 are kept in the specs (they shard nothing), so a spec does not change
+with the degrees; ``"layers"`` maps to ``"pp"`` on a full module mesh and to nothing on a
+pipeline-stage submesh, which has no ``"pp"`` axis.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from .layout import LayoutError
+
+MeshAxes = str | tuple[str, ...] | None
+
+LOGICAL_AXIS_RULES: Mapping[str, MeshAxes] = {
+    # Parameters.
+    "embed": None,  # model width: replicated
+    "heads": "tp",  # flattened q heads * head_dim: column-parallel in, row-parallel out
+    "kv_heads": "tp",  # flattened kv heads * head_dim
+    "mlp": "tp",  # MLP hidden: column-parallel up/gate, row-parallel down
+    "vocab": "tp",  # vocabulary-parallel embedding table and LM head
+    "layers": "pp",  # stacked block axis (full mesh only)
+    "experts": "ep",  # MoE experts
+    # Activations.
+    "batch": ("dp", "ep"),  # data batch over all data-parallel ranks
+    "seq": "cp",  # sequence (tokens) over context-parallel ranks
+    "act_embed": None,
+    "act_heads": "tp",
+    "act_kv_heads": "tp",
+    "act_mlp": "tp",
+    "act_vocab": "tp",
+}
+
+LogicalNames = Sequence[str | None]
+
+
+def logical_to_spec(names: LogicalNames, *, stage_mesh: bool) -> PartitionSpec:
+    """Turns one array's logical axis names into a PartitionSpec.
+
+    Args:
+        names: one entry per array dimension; ``None`` means unsharded.
+        stage_mesh: True for a pipeline-stage submesh (no ``"pp"`` axis, so ``"layers"``
+            is unsharded), False for a module's full mesh.
+
+    Returns:
+        The PartitionSpec, one entry per dimension.
+
+    Raises:
+        LayoutError: an unknown logical name, or two dimensions mapped to one mesh axis.
+
+    Example:
+        >>> logical_to_spec(("embed", "mlp"), stage_mesh=True)
+        PartitionSpec(None, 'tp')
+    """
+    entries: list[MeshAxes] = []
+    used: dict[str, str] = {}
+    for name in names:
+        if name is None:
+            entries.append(None)
+            continue
+        if name not in LOGICAL_AXIS_RULES:
+            raise LayoutError(
+                f"logical axis name {name!r} in {tuple(names)} is unknown; use one of"
+                f" {sorted(LOGICAL_AXIS_RULES)} or None"
+            )
+        axes = LOGICAL_AXIS_RULES[name]
+        if stage_mesh and axes == "pp":
+            axes = None
+        for axis in (axes,) if isinstance(axes, str) else axes or ():
+            if axis in used:
+                raise LayoutError(
+                    f"logical names {used[axis]!r} and {name!r} in {tuple(names)} both map to"
+                    f" mesh axis {axis!r}; rename one dimension or set it to None"
+                )
+            used[axis] = name
+        entries.append(axes)
+    return PartitionSpec(*entries)
+
+
+def logical_to_sharding(names: LogicalNames, mesh: Mesh) -> NamedSharding:
+    """NamedSharding of an array with logical ``names`` on a module or stage mesh.
+
+    A mesh without a ``"pp"`` axis is treated as a pipeline-stage submesh.
+    """
+    spec = logical_to_spec(names, stage_mesh="pp" not in mesh.axis_names)
+    return NamedSharding(mesh, spec)
+
+
+def _is_names(x: Any) -> bool:
+    return isinstance(x, tuple) and all(e is None or isinstance(e, str) for e in x)
+
+
+def param_shardings(tree_of_names: Any, mesh: Mesh) -> Any:
+    """Maps a pytree whose leaves are logical-name tuples to NamedShardings on ``mesh``.
+
+    Args:
+        tree_of_names: pytree with tuple leaves such as ``("embed", "mlp")``.
+        mesh: a module's full mesh or one of its stage submeshes.
+
+    Returns:
+        The same tree structure with a `NamedSharding` per leaf, ready for
+        ``jax.device_put`` or ``jit(out_shardings=...)``.
+    """
+    return jax.tree.map(
+        lambda names: logical_to_sharding(names, mesh), tree_of_names, is_leaf=_is_names
+    )
