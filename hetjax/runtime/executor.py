@@ -35,8 +35,8 @@ from hetjax import schedules as hs
 from hetjax.meshes import Layout, LayoutError, ModuleMesh, place_modules, validate_batch
 from hetjax.runtime.graph import TrainGraph
 from hetjax.runtime.optim import OptimizerConfig
-from hetjax.runtime.programs import StageProgram, batch_sharding
-from hetjax.runtime.transfer import LinkTransfer, stage_transfer
+from hetjax.runtime.programs import StageProgram, batch_sharding, put_global
+from hetjax.runtime.transfer import LinkTransfer, StageTransfer
 
 Mode = Literal["colocated", "non-colocated", "homogeneous"]
 StageKey = tuple[str, int]  # (module name, pipeline stage index)
@@ -111,6 +111,9 @@ class Executor:
         self.mask_key = mask_key
         self.meshes = self._place(graph, list(devices), mode, islands)
         self.anchor = devices[0]  # where per-stage scalars meet (norms, loss)
+        # Multi-controller: every process walks the same ops; programs whose devices are
+        # all remote are no-ops here; transfers are collectives on union meshes.
+        self.multiprocess = jax.process_count() > 1
         self.programs: dict[StageKey, StageProgram] = {
             (spec.name, s): StageProgram(
                 spec, s, self.meshes[spec.name].stage_mesh(s),
@@ -127,8 +130,15 @@ class Executor:
             (l.src, l.dst): LinkTransfer(
                 self.meshes[l.src], self.meshes[l.dst],
                 src_stage=self.graph.module(l.src).layout.pp - 1, dst_stage=0,
+                multiprocess=self.multiprocess,
             )
             for l in graph.links
+        }
+        self.stage_links = {
+            (spec.name, s): StageTransfer(self.meshes[spec.name], s,
+                                          multiprocess=self.multiprocess)
+            for spec in graph.modules
+            for s in range(spec.layout.pp - 1)
         }
         self.ops = self._build_ops(schedule)
         self.op_times: dict[tuple[str, StageKey], list[float]] = defaultdict(list)
@@ -217,8 +227,8 @@ class Executor:
         prog = self.programs[key]
         size = next(iter(batch.values())).shape[0] // self.microbatches
         return {
-            k: jax.device_put(batch[k][m * size : (m + 1) * size],
-                              batch_sharding(prog.mesh, batch[k].ndim))
+            k: put_global(batch[k][m * size : (m + 1) * size],
+                          batch_sharding(prog.mesh, batch[k].ndim))
             for k in prog.batch_keys
         }
 
@@ -276,7 +286,7 @@ class Executor:
             elif op.kind == "SEND_F":
                 y, dst = outbox[(key, m)], op.peer
                 if dst[0] == key[0]:
-                    inbox[(dst, m)] = stage_transfer(y, self.programs[dst].mesh)
+                    inbox[(dst, m)] = self.stage_links[key].forward(y)
                 else:
                     link = next(l for l in g.links_into(dst[0]) if l.src == key[0])
                     inbox.setdefault((dst, m), {})[link.name] = self.links[
@@ -284,7 +294,7 @@ class Executor:
             elif op.kind == "SEND_B":
                 gx, src = grads_out[(key, m)], op.peer
                 if src[0] == key[0]:
-                    g_src = stage_transfer(gx, self.programs[src].mesh)
+                    g_src = self.stage_links[src].backward(gx)
                 else:
                     link = next(l for l in g.links_into(key[0]) if l.src == src[0])
                     g_src = self.links[(src[0], key[0])].backward(gx[link.name])
@@ -319,7 +329,56 @@ class Executor:
         """Sums per-stage scalars on the anchor device (asynchronously)."""
         return sum(jax.device_put(s, self.anchor) for s in scalars)
 
+    def _owned(self, key: StageKey) -> bool:
+        """Whether this process reports stage ``key``'s scalars (it owns its first device)."""
+        return self.programs[key].mesh.devices.flat[0].process_index == jax.process_index()
+
+    def _finish_step_multiprocess(self, acc, losses, normalizer) -> dict[str, float]:
+        """As :meth:`_finish_step`, with scalars summed on the host across processes.
+
+        Each stage's scalars are counted by the process owning its first device, then one
+        host all-gather per kind of scalar combines the processes. This syncs the host
+        once per step - the price of a global gradient norm across process boundaries.
+        """
+        from jax.experimental import multihost_utils
+
+        def allsum(local: dict[str, float]) -> dict[str, float]:
+            names = sorted(local)
+            mine = np.asarray([local[n] for n in names], np.float64)
+            return dict(zip(names, multihost_utils.process_allgather(mine).sum(0), strict=True))
+
+        def local_sums(per_stage: dict[StageKey, dict[str, jax.Array]]) -> dict[str, float]:
+            out: dict[str, float] = defaultdict(float)
+            for key, norms in per_stage.items():
+                for name, v in norms.items():
+                    out[name] += float(v.addressable_data(0)) if self._owned(key) else 0.0
+            return out
+
+        reduced = {k: p.reduce(acc[k]) for k, p in self.programs.items()}
+        sq = allsum(local_sums({k: r[1] for k, r in reduced.items()}))
+        global_norm = float(np.sqrt(sum(sq.values())))
+        param_norms = {}
+        for k, p in self.programs.items():
+            self.params[k], self.opt_state[k], param_norms[k] = p.update(
+                self.params[k], self.opt_state[k], reduced[k][0],
+                put_global(np.float32(global_norm), p.replicated),
+            )
+        sink_last = (self.graph.sink, self.graph.module(self.graph.sink).layout.pp - 1)
+        loss = sum(float(l.addressable_data(0)) for l in losses) if self._owned(sink_last) else 0.0
+        totals = allsum({**{f"sq/{n}": v for n, v in local_sums(param_norms).items()},
+                         "loss": loss})
+        return {
+            "loss": totals["loss"],
+            "grad_norm": global_norm,
+            **{f"grad_norm/{n}": float(np.sqrt(v)) for n, v in sq.items()},
+            **{f"param_norm/{n[3:]}": float(np.sqrt(v)) for n, v in totals.items()
+               if n.startswith("sq/")},
+            "supervised_tokens": float(normalizer),
+        }
+
     def _finish_step(self, acc, losses, normalizer) -> dict[str, jax.Array]:
+        if self.multiprocess:
+            return self._finish_step_multiprocess(acc, losses, normalizer)
         reduced = {k: p.reduce(acc[k]) for k, p in self.programs.items()}
         sq = defaultdict(list)
         for _, norms in reduced.values():

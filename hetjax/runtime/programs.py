@@ -23,6 +23,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -37,6 +38,15 @@ BATCH_AXES = ("dp", "ep")
 def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
     """Leading (batch) axis over the data-parallel ranks, everything else replicated."""
     return NamedSharding(mesh, P(BATCH_AXES, *([None] * (ndim - 1))))
+
+
+def put_global(value: Any, sharding: NamedSharding) -> jax.Array:
+    """A global array from a host value that every process holds; only local shards are
+    built, so this works when ``sharding`` spans several processes."""
+    value = np.asarray(value)
+    return jax.make_array_from_callback(
+        value.shape, sharding, lambda idx: value[idx], dtype=value.dtype
+    )
 
 
 def sqnorms_by_key(tree: dict[str, Any]) -> dict[str, jax.Array]:
@@ -135,7 +145,8 @@ class StageProgram:
         return slice_stage(self.spec, self.stage, full)
 
     def place_params(self, full: dict[str, Any]) -> dict[str, Any]:
-        return jax.device_put(self.slice_params(full), self.param_shardings, may_alias=False)
+        host = jax.device_get(self.slice_params(full))
+        return jax.tree.map(put_global, host, self.param_shardings)
 
     # -- the stage function -------------------------------------------------------------
 

@@ -6,35 +6,65 @@
 - :class:`LinkTransfer`: between modules, a :class:`hetjax.boundary.Boundary` from the
   source's last stage to the destination's first stage (forward: activation; backward:
   its cotangent, routed back to exactly the source's sharding).
+
+With several processes (each sees only its own devices) ``jax.device_put`` cannot cross
+process boundaries, so both kinds of transfer go through the boundary's
+:class:`~hetjax.boundary.MultiProcessTransport`: a collective permute on the union mesh,
+issued by every process in the same order (processes owning none of its devices skip it).
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
-from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
-from hetjax.boundary import Boundary, EdgeSpec, Endpoint
+from hetjax.boundary import Boundary, EdgeSpec, Endpoint, MultiProcessTransport
 from hetjax.meshes import ModuleMesh
-from hetjax.runtime.programs import batch_sharding
+from hetjax.runtime.programs import BATCH_AXES, batch_sharding
 
 
-def stage_transfer(x: Any, mesh: Mesh) -> Any:
-    """Moves a (pytree of) batch-sharded activation(s) onto ``mesh`` with the same layout."""
-    return jax.tree.map(lambda a: jax.device_put(a, batch_sharding(mesh, a.ndim)), x)
+class StageTransfer:
+    """Consecutive pipeline stages ``stage -> stage + 1`` of one module (same layout)."""
+
+    def __init__(self, module: ModuleMesh, stage: int, *, multiprocess: bool):
+        self.src_mesh = module.stage_mesh(stage)
+        self.dst_mesh = module.stage_mesh(stage + 1)
+        self.boundary = None
+        if multiprocess:
+            self.boundary = Boundary(
+                EdgeSpec(Endpoint.of(module, P(BATCH_AXES), stage=stage),
+                         Endpoint.of(module, P(BATCH_AXES), stage=stage + 1)),
+                transport=MultiProcessTransport(),
+            )
+
+    def forward(self, x: jax.Array) -> jax.Array:
+        if self.boundary is not None:
+            return self.boundary.forward(x)
+        return jax.device_put(x, batch_sharding(self.dst_mesh, x.ndim))
+
+    def backward(self, ct: jax.Array) -> jax.Array:
+        if self.boundary is not None:
+            return self.boundary.backward(ct)
+        return jax.device_put(ct, batch_sharding(self.src_mesh, ct.ndim))
 
 
 class LinkTransfer:
     """The boundary communicator of one module link (``src`` last stage -> ``dst`` stage 0)."""
 
-    def __init__(self, src: ModuleMesh, dst: ModuleMesh, *, src_stage: int, dst_stage: int):
+    def __init__(
+        self, src: ModuleMesh, dst: ModuleMesh, *, src_stage: int, dst_stage: int,
+        multiprocess: bool = False,
+    ):
         source = Endpoint.source(src, stage=src_stage)
         destination = Endpoint.destination(dst, stage=dst_stage)
         # The homogeneous baseline puts the encoder on the LLM's first stage with the same
         # layout: the activation is already where it must be, nothing to move.
         self.identity = source.sharding == destination.sharding
-        self.boundary = None if self.identity else Boundary(EdgeSpec(source, destination))
+        transport = MultiProcessTransport() if multiprocess else None
+        self.boundary = None
+        if not self.identity:
+            edge = EdgeSpec(source, destination)
+            self.boundary = Boundary(edge, transport) if transport else Boundary(edge)
 
     def forward(self, x: jax.Array) -> jax.Array:
         return x if self.boundary is None else self.boundary.forward(x)
