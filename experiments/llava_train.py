@@ -46,6 +46,8 @@ class TrainConfig:
     offload_encoder: bool = False  # colocated: encoder state in host memory in phase 2
     timeline: str | None = None  # PNG path: Gantt chart of the last (profiled) step
     reference: bool = False  # plain data-parallel reference trainer instead
+    zero1: bool = False  # shard optimizer state over each module's dp (ZeRO-1)
+    sequence_parallel: bool = False  # TP activations sharded on sequence between blocks
 
 
 def parse_args(argv: Sequence[str]) -> TrainConfig:
@@ -80,6 +82,10 @@ def parse_args(argv: Sequence[str]) -> TrainConfig:
                    help="profile the last step and draw its simulated Gantt chart")
     p.add_argument("--reference", action="store_true",
                    help="train with the plain data-parallel reference trainer instead")
+    p.add_argument("--zero1", action="store_true",
+                   help="shard Adam moments over each module's data-parallel ranks")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="with tp > 1: activations between TP regions sharded on sequence")
     args = p.parse_args(list(argv))
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
     values["layout"], values["island"] = tuple(args.layout), tuple(args.island)
@@ -171,8 +177,11 @@ def main(config: TrainConfig) -> int:
 def _reference(config, model, params, opt_cfg, devices):
     import hetjax
 
-    if config.timeline:
-        raise ConfigError("--timeline needs a pipelined run; drop --reference")
+    for flag, on in (("--timeline", config.timeline), ("--zero1", config.zero1),
+                     ("--sequence-parallel", config.sequence_parallel),
+                     ("--offload-encoder", config.offload_encoder)):
+        if on:
+            raise ConfigError(f"{flag} is a heterogeneous-executor option; drop --reference")
     hetjax.runtime.check_batch_split(config.global_batch, config.microbatches, len(devices))
     axes = {name: m.logical_axes() for name, m in model.modules.items()}
     trainer = hetjax.ReferenceTrainer(
@@ -201,6 +210,8 @@ def _heterogeneous(config, model, params, opt_cfg, devices):
         islands=parse_islands(config.island) if config.island else None,
         microbatches=config.microbatches, schedule=config.schedule, optimizer=opt_cfg,
         offload_encoders=config.offload_encoder,
+        options=hetjax.ParallelOptions(zero1=config.zero1,
+                                       sequence_parallel=config.sequence_parallel),
     )
     trainer.validate_batch(config.global_batch)
     shown = {spec.name: str(spec.layout) for spec in trainer.graph.modules}

@@ -22,6 +22,7 @@ from hetjax.runtime import JsonlWriter as JsonlWriter
 from hetjax.runtime import Link as Link
 from hetjax.runtime import ModuleSpec as ModuleSpec
 from hetjax.runtime import OptimizerConfig as OptimizerConfig
+from hetjax.runtime import ParallelOptions as ParallelOptions
 from hetjax.runtime import ProgressBar as ProgressBar
 from hetjax.runtime import ReferenceTrainer as ReferenceTrainer
 from hetjax.runtime import Summary as Summary
@@ -39,6 +40,7 @@ __all__ = [
     "Link",
     "ModuleSpec",
     "OptimizerConfig",
+    "ParallelOptions",
     "Params",
     "ProgressBar",
     "ReferenceTrainer",

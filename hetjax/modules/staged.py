@@ -155,12 +155,15 @@ class StagedModule:
         *,
         start: int = 0,
         stop: int | None = None,
+        carry_sharding: jax.sharding.Sharding | None = None,
         **kwargs: Any,
     ) -> Any:
         """Runs blocks ``[start, stop)`` of the stack with a scan.
 
         ``params`` may hold the full stack (then it is sliced here) or exactly the
         ``stop - start`` layers of a pipeline stage (then it is used as is).
+        ``carry_sharding``, if given, constrains the activation between blocks (used for
+        sequence parallelism); ``kwargs`` go to every block.
         """
         if self._defs["blocks"] is None:
             return h
@@ -176,6 +179,8 @@ class StagedModule:
         block_def = self._defs["blocks"]
 
         def body(carry, layer_params):
+            if carry_sharding is not None:
+                carry = jax.lax.with_sharding_constraint(carry, carry_sharding)
             return nnx.merge(block_def, layer_params)(carry, **kwargs), None
 
         h, _ = jax.lax.scan(body, h, params)

@@ -12,6 +12,7 @@ from .loop import ProgressBar as ProgressBar
 from .loop import Summary as Summary
 from .loop import run_training as run_training
 from .optim import OptimizerConfig as OptimizerConfig
+from .programs import ParallelOptions as ParallelOptions
 from .optim import decay_mask as decay_mask
 from .optim import learning_rate_schedule as learning_rate_schedule
 from .optim import make_optimizer as make_optimizer
@@ -29,6 +30,7 @@ __all__ = [
     "Hook",
     "JsonlWriter",
     "OptimizerConfig",
+    "ParallelOptions",
     "ProgressBar",
     "ReferenceTrainer",
     "Summary",

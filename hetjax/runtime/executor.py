@@ -35,7 +35,7 @@ from hetjax import schedules as hs
 from hetjax.meshes import Layout, LayoutError, ModuleMesh, place_modules, validate_batch
 from hetjax.runtime.graph import TrainGraph
 from hetjax.runtime.optim import OptimizerConfig
-from hetjax.runtime.programs import StageProgram, batch_sharding, put_global
+from hetjax.runtime.programs import ParallelOptions, StageProgram, batch_sharding, put_global
 from hetjax.runtime.transfer import LinkTransfer, StageTransfer
 
 Mode = Literal["colocated", "non-colocated", "homogeneous"]
@@ -77,6 +77,7 @@ class Executor:
         mask_key: batch key whose global sum normalises the loss.
         offload_encoders: colocated only: keep encoder parameters and optimiser state in
             host memory (``pinned_host``) during the LLM pipeline phase.
+        options: ZeRO-1 and sequence parallelism switches for every stage.
     """
 
     def __init__(
@@ -92,6 +93,7 @@ class Executor:
         optimizer: OptimizerConfig = OptimizerConfig(),
         mask_key: str = "loss_mask",
         offload_encoders: bool = False,
+        options: ParallelOptions = ParallelOptions(),
     ):
         if mode == "homogeneous":
             graph = homogeneous_graph(graph)
@@ -117,7 +119,7 @@ class Executor:
         self.programs: dict[StageKey, StageProgram] = {
             (spec.name, s): StageProgram(
                 spec, s, self.meshes[spec.name].stage_mesh(s),
-                is_sink=spec.name == graph.sink, optimizer=optimizer,
+                is_sink=spec.name == graph.sink, optimizer=optimizer, options=options,
             )
             for spec in graph.modules
             for s in range(spec.layout.pp)

@@ -40,6 +40,31 @@ def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
     return NamedSharding(mesh, P(BATCH_AXES, *([None] * (ndim - 1))))
 
 
+@dataclasses.dataclass(frozen=True)
+class ParallelOptions:
+    """Per-run switches that change shardings inside every stage program."""
+
+    zero1: bool = False  # shard optimizer moments (and reduced gradients) over dp
+    sequence_parallel: bool = False  # residual stream sharded on sequence over tp
+
+
+def zero1_sharding(sharding: NamedSharding, shape: tuple[int, ...]) -> NamedSharding:
+    """``sharding`` with its first unsharded, evenly divisible dimension split over the
+    data-parallel axes (ZeRO-1). Leaves that cannot be split stay as they are."""
+    mesh = sharding.mesh
+    spec = list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
+    used = {a for entry in spec if entry for a in ((entry,) if isinstance(entry, str) else entry)}
+    axes = tuple(a for a in BATCH_AXES if a not in used and mesh.shape[a] > 1)
+    size = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
+    if size == 1:
+        return sharding
+    for i, (entry, n) in enumerate(zip(spec, shape, strict=True)):
+        if entry is None and n % size == 0:
+            spec[i] = axes
+            return NamedSharding(mesh, P(*spec))
+    return sharding
+
+
 def put_global(value: Any, sharding: NamedSharding) -> jax.Array:
     """A global array from a host value that every process holds; only local shards are
     built, so this works when ``sharding`` spans several processes."""
@@ -99,8 +124,10 @@ class StageProgram:
         *,
         is_sink: bool,
         optimizer: OptimizerConfig,
+        options: ParallelOptions = ParallelOptions(),
     ):
         self.spec, self.stage, self.mesh = spec, stage, mesh
+        self.options = options
         self.first = stage == 0
         self.last = stage == spec.layout.pp - 1
         self.is_sink = is_sink
@@ -122,13 +149,21 @@ class StageProgram:
             self._backward, donate_argnums=(1,), out_shardings=(self.acc_shardings, None, None)
         )
         self.zeros = jax.jit(self._zeros, out_shardings=self.acc_shardings)
-        self.reduce = jax.jit(self._reduce, out_shardings=(self.param_shardings, None))
-        # Optimiser moments are sharded like their parameters; counters are replicated.
+        # ZeRO-1: reduced gradients and optimiser moments split over dp, so the one DP
+        # reduction is a reduce-scatter and the update's output an all-gather.
+        self.grad_shardings = self.param_shardings
+        if options.zero1:
+            self.grad_shardings = jax.tree.map(
+                lambda sh, a: zero1_sharding(sh, a.shape),
+                self.param_shardings, self._abstract_stage(),
+            )
+        self.reduce = jax.jit(self._reduce, out_shardings=(self.grad_shardings, None))
+        # Optimiser moments are sharded like their gradients; counters are replicated.
         self.state_shardings = optax.tree_map_params(
             self.optimizer,
             lambda _, sharding: sharding,
             jax.eval_shape(self.optimizer.init, self._abstract_stage()),
-            self.param_shardings,
+            self.grad_shardings,
             transform_non_params=lambda _: self.replicated,
         )
         self.init_opt_state = jax.jit(self.optimizer.init, out_shardings=self.state_shardings)
@@ -150,10 +185,15 @@ class StageProgram:
 
     # -- the stage function -------------------------------------------------------------
 
-    def apply(self, params: dict[str, Any], x: Any, batch: dict[str, jax.Array]) -> jax.Array:
+    def apply(
+        self, params: dict[str, Any], x: Any, batch: dict[str, jax.Array], *,
+        per_replica: bool = False,
+    ) -> jax.Array:
         """Stage forward; ``x`` is ``{link name: tokens}`` on a first stage, else an array.
 
-        On the sink's last stage the result is the SUMMED loss.
+        On the sink's last stage the result is the SUMMED loss. ``per_replica``: called
+        inside the backward's vmap over data-parallel replicas (the batch axes are the
+        vmapped axis there, so sharding constraints must not name them).
         """
         parts = self.spec.parts
         main = parts[0]
@@ -165,7 +205,10 @@ class StageProgram:
             h = x
         if "blocks" in mine:
             start, stop = self.spec.stage_layers(self.stage)
-            h = main.apply_blocks(mine["blocks"], h, start=start, stop=stop)
+            h = main.apply_blocks(
+                mine["blocks"], h, start=start, stop=stop,
+                carry_sharding=self._carry_sharding(h, batch_axes=None if per_replica else BATCH_AXES),
+            )
         if not self.last:
             return h
         if self.is_sink:
@@ -175,6 +218,15 @@ class StageProgram:
         for part in parts[1:]:
             h = part(params[part.name], h)
         return h
+
+    def _carry_sharding(self, h: Any, *, batch_axes: Any) -> NamedSharding | None:
+        """Sequence parallelism: the residual stream between blocks is split on its
+        sequence axis over tp (and cp), so GSPMD turns the row-parallel all-reduce into a
+        reduce-scatter and gathers the sequence before the next column-parallel matmul."""
+        if not self.options.sequence_parallel or self.mesh.shape["tp"] == 1:
+            return None
+        seq_axes = ("cp", "tp") if self.mesh.shape["cp"] > 1 else "tp"
+        return NamedSharding(self.mesh, P(batch_axes, seq_axes, *([None] * (h.ndim - 2))))
 
     @property
     def batch_keys(self) -> tuple[str, ...]:
@@ -194,7 +246,7 @@ class StageProgram:
 
         def per_replica(x_r, batch_r, g_r):
             def f(p, xx):
-                y = self.apply(p, xx, batch_r)
+                y = self.apply(p, xx, batch_r, per_replica=True)
                 return y / normalizer if self.is_sink and self.last else y
 
             y, vjp = jax.vjp(f, params, x_r)

@@ -1,0 +1,444 @@
+"""Context-parallel causal attention: a ring of K/V blocks over the ``"cp"`` mesh axis.
+
+Each context-parallel (CP) rank holds ``L/cp`` of the queries, keys and values. The ring
+implementation keeps the local queries in place and passes the K/V block (and the
+original positions of its tokens) to the next rank ``cp - 1`` times with
+``jax.lax.ppermute``; every arriving block is folded into a flash-style online softmax in
+float32 (running max, running denominator, rescaled accumulator). The causal mask comes
+from ``positions`` (the original index of every stored token), not from the storage order,
+so any permutation of the sequence works; the default one is the zigzag layout below.
+
+Why a ring and not an all-gather of K/V (``impl="allgather"``, also offered):
+
+* memory: a rank never holds more than two K/V blocks of ``L/cp`` tokens, and the
+  backward pass (a custom VJP that passes K/V and their gradient accumulators around the
+  ring again) saves only ``O(L/cp)`` residuals, whereas an all-gather materialises the
+  full ``L``-token K/V on every rank (and autodiff keeps it for the backward);
+* overlap: the ``ppermute`` of the next block does not depend on the current block's
+  maths, so XLA can run the transfer under the compute (the loop is unrolled on purpose).
+
+The all-gather is one collective instead of ``cp - 1`` and is simpler; for short
+sequences or small ``cp`` its latency is lower and the memory it costs is small. The ring
+is the default because CP exists for long sequences, where memory is the constraint.
+
+Load balancing (zigzag): split the sequence into ``2 * cp`` chunks; rank ``r`` holds
+chunks ``r`` and ``2*cp - 1 - r``, so every rank has the same number of causal
+``(q, k)`` pairs. Sequences are stored in that permuted order; sharding the stored
+sequence evenly over ``"cp"`` gives each rank its two mirrored chunks. With
+``zigzag=True`` the ring also skips the half of each off-diagonal block that the causal
+mask hides (it is exactly half for every rank and step in the zigzag layout), halving the
+attention FLOPs; without it every block is computed densely and masked.
+
+Shape key: B batch, L sequence, H query heads, G kv heads (divides H), K head dim.
+A trailing ``l`` (``q_bxlxhxk``) marks a rank-local block inside ``shard_map``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec
+
+__all__ = [
+    "causal_attention",
+    "inverse_permutation",
+    "ring_attention",
+    "zigzag_permutation",
+]
+
+Impl = Literal["ring", "allgather"]
+
+
+# -- zigzag layout ----------------------------------------------------------------------
+
+
+def zigzag_permutation(seq_len: int, cp: int) -> np.ndarray:
+    """Storage order of a sequence for load-balanced causal context parallelism.
+
+    Args:
+        seq_len: full sequence length ``L``; must be a multiple of ``2 * cp``.
+        cp: number of context-parallel ranks.
+
+    Returns:
+        ``perm`` of shape ``[L]``: ``x_stored = x[:, perm]`` and ``perm`` is also the
+        ``positions`` array (original position of each stored token) for RoPE and the
+        causal mask. Rank ``r`` of an even split holds chunks ``r`` and ``2*cp-1-r``.
+
+    Raises:
+        ValueError: ``seq_len`` is not a multiple of ``2 * cp``.
+
+    Example:
+        >>> zigzag_permutation(8, 2)
+        array([0, 1, 6, 7, 2, 3, 4, 5])
+    """
+    if cp < 1 or seq_len % (2 * cp):
+        raise ValueError(
+            f"zigzag layout: sequence length {seq_len} must be a multiple of 2*cp = {2 * cp};"
+            " pad the sequence or change cp"
+        )
+    chunk = seq_len // (2 * cp)
+    order = [c for r in range(cp) for c in (r, 2 * cp - 1 - r)]
+    return np.concatenate([np.arange(c * chunk, (c + 1) * chunk) for c in order])
+
+
+def inverse_permutation(perm: np.ndarray) -> np.ndarray:
+    """``inv`` with ``x[:, perm][:, inv] == x``: takes stored order back to the original."""
+    perm = np.asarray(perm)
+    inv = np.empty_like(perm)
+    inv[perm] = np.arange(perm.size, dtype=perm.dtype)
+    return inv
+
+
+# -- single-device maths ----------------------------------------------------------------
+
+
+def _batched_positions(pos: jax.Array) -> jax.Array:
+    """``[L]`` or ``[B, L]`` -> ``[B or 1, L]``."""
+    return pos[None] if pos.ndim == 1 else pos
+
+
+def _mask_bx1x1xlxs(qpos: jax.Array, kpos: jax.Array) -> jax.Array:
+    q, k = _batched_positions(qpos), _batched_positions(kpos)
+    return (q[:, None, None, :, None] >= k[:, None, None, None, :])
+
+
+def causal_attention(
+    q_BxLxHxK: jax.Array,
+    k_BxSxGxK: jax.Array,
+    v_BxSxGxK: jax.Array,
+    q_positions: jax.Array,
+    k_positions: jax.Array | None = None,
+) -> jax.Array:
+    """Causal GQA attention with the mask taken from positions (``q_pos >= k_pos``).
+
+    The single-device path of :func:`ring_attention` (``cp == 1``) and the local maths of
+    its all-gather variant; differentiated by autodiff. Softmax in float32.
+
+    Args:
+        q_BxLxHxK: queries. k_BxSxGxK, v_BxSxGxK: keys and values, ``G`` divides ``H``.
+        q_positions: ``[L]`` or ``[B, L]`` original positions of the queries.
+        k_positions: the same for the keys; defaults to ``q_positions``.
+
+    Returns:
+        ``[B, L, H, K]`` in the dtype of ``q``.
+    """
+    k_positions = q_positions if k_positions is None else k_positions
+    b, l, h, d = q_BxLxHxK.shape
+    g = k_BxSxGxK.shape[2]
+    q_BxLxGxRxK = q_BxLxHxK.reshape(b, l, g, h // g, d)
+    s = jnp.einsum(
+        "blgrk,bsgk->bgrls", q_BxLxGxRxK, k_BxSxGxK, preferred_element_type=jnp.float32
+    )
+    s = s / jnp.sqrt(jnp.float32(d))
+    s = jnp.where(_mask_bx1x1xlxs(q_positions, k_positions), s, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(s, axis=-1).astype(v_BxSxGxK.dtype)
+    out = jnp.einsum("bgrls,bsgk->blgrk", probs, v_BxSxGxK)
+    return out.reshape(b, l, h, d).astype(q_BxLxHxK.dtype)
+
+
+# -- ring kernels (run per rank inside shard_map) ---------------------------------------
+
+
+def _block_forward(q5, k, v, qpos, kpos, m, l, acc):
+    """Folds one K/V block into the online-softmax state ``(m, l, acc)`` of ``q5``.
+
+    q5 ``[b, lq, g, r, K]``; k, v ``[b, s, g, K]``; m, l ``[b, g, r, lq]``;
+    acc ``[b, g, r, lq, K]`` (float32). Masked scores are ``-inf`` so they add exactly 0.
+    """
+    d = q5.shape[-1]
+    s = jnp.einsum("blgrk,bsgk->bgrls", q5, k, preferred_element_type=jnp.float32)
+    s = jnp.where(_mask_bx1x1xlxs(qpos, kpos), s / jnp.sqrt(jnp.float32(d)), -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+    m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)  # rows with nothing visible yet
+    p = jnp.exp(s - m_safe[..., None])
+    corr = jnp.exp(m - m_safe)
+    l = l * corr + jnp.sum(p, axis=-1)
+    pv = jnp.einsum("bgrls,bsgk->bgrlk", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return m_new, l, acc * corr[..., None] + pv
+
+
+def _block_backward(q5, k, v, qpos, kpos, do5, lse, delta):
+    """Gradients of one block: ``(dq5, dk, dv)`` in float32 given the final ``lse``.
+
+    do5 ``[b, lq, g, r, K]``; lse, delta ``[b, g, r, lq]``.
+    """
+    d = q5.shape[-1]
+    scale = 1.0 / jnp.sqrt(jnp.float32(d))
+    s = jnp.einsum("blgrk,bsgk->bgrls", q5, k, preferred_element_type=jnp.float32) * scale
+    p = jnp.where(_mask_bx1x1xlxs(qpos, kpos), jnp.exp(s - lse[..., None]), 0.0)
+    f32 = functools.partial(jnp.einsum, preferred_element_type=jnp.float32)
+    dv = f32("bgrls,blgrk->bsgk", p, do5)
+    dp = f32("blgrk,bsgk->bgrls", do5, v)
+    ds = p * (dp - delta[..., None]) * scale
+    dq5 = f32("bgrls,bsgk->blgrk", ds, k)
+    dk = f32("bgrls,blgrk->bsgk", ds, q5)
+    return dq5, dk, dv
+
+
+def _halves(x, axis):
+    n = x.shape[axis] // 2
+    return jax.lax.slice_in_dim(x, 0, n, axis=axis), jax.lax.slice_in_dim(x, n, 2 * n, axis=axis)
+
+
+def _pos_halves(pos):
+    return _halves(pos, pos.ndim - 1)
+
+
+def _zigzag_forward_step(src, rank, q5, k, v, qpos, kpos, m, l, acc):
+    """Off-diagonal zigzag step: only the visible half of the block is computed.
+
+    Source rank ``src < rank``: its first chunk precedes both local chunks and its second
+    follows both, so all queries see only the first half of the keys. ``src > rank``:
+    only the second local chunk sees anything, and it sees all keys.
+    """
+
+    def earlier(args):
+        q5, k, v, qpos, kpos, m, l, acc = args
+        return _block_forward(q5, _halves(k, 1)[0], _halves(v, 1)[0], qpos,
+                              _pos_halves(kpos)[0], m, l, acc)
+
+    def later(args):
+        q5, k, v, qpos, kpos, m, l, acc = args
+        q_hi, m_hi, l_hi, acc_hi = (_halves(q5, 1)[1], _halves(m, 3)[1], _halves(l, 3)[1],
+                                    _halves(acc, 3)[1])
+        m_hi, l_hi, acc_hi = _block_forward(q_hi, k, v, _pos_halves(qpos)[1], kpos,
+                                            m_hi, l_hi, acc_hi)
+        return (jnp.concatenate([_halves(m, 3)[0], m_hi], axis=3),
+                jnp.concatenate([_halves(l, 3)[0], l_hi], axis=3),
+                jnp.concatenate([_halves(acc, 3)[0], acc_hi], axis=3))
+
+    return jax.lax.cond(src < rank, earlier, later, (q5, k, v, qpos, kpos, m, l, acc))
+
+
+def _zigzag_backward_step(src, rank, q5, k, v, qpos, kpos, do5, lse, delta):
+    """Backward of :func:`_zigzag_forward_step`; zero gradients where nothing is visible."""
+
+    def earlier(args):
+        q5, k, v, qpos, kpos, do5, lse, delta = args
+        dq5, dk_lo, dv_lo = _block_backward(q5, _halves(k, 1)[0], _halves(v, 1)[0], qpos,
+                                            _pos_halves(kpos)[0], do5, lse, delta)
+        zeros = jnp.zeros_like(dk_lo)
+        return dq5, jnp.concatenate([dk_lo, zeros], 1), jnp.concatenate([dv_lo, zeros], 1)
+
+    def later(args):
+        q5, k, v, qpos, kpos, do5, lse, delta = args
+        dq_hi, dk, dv = _block_backward(_halves(q5, 1)[1], k, v, _pos_halves(qpos)[1], kpos,
+                                        _halves(do5, 1)[1], _halves(lse, 3)[1],
+                                        _halves(delta, 3)[1])
+        return jnp.concatenate([jnp.zeros_like(dq_hi), dq_hi], 1), dk, dv
+
+    return jax.lax.cond(src < rank, earlier, later, (q5, k, v, qpos, kpos, do5, lse, delta))
+
+
+def _ring_perm(cp: int) -> list[tuple[int, int]]:
+    return [(i, (i + 1) % cp) for i in range(cp)]
+
+
+def _ring_forward_kernel(q, k, v, qpos, kpos, *, axis: str, cp: int, zigzag: bool):
+    """Per-rank forward: returns ``out [b, lq, H, K]`` and ``lse [b, lq, H]`` (float32)."""
+    b, lq, h, d = q.shape
+    g = k.shape[2]
+    q5 = q.reshape(b, lq, g, h // g, d)
+    m = jnp.full((b, g, h // g, lq), -jnp.inf, jnp.float32)
+    l = jnp.zeros((b, g, h // g, lq), jnp.float32)
+    acc = jnp.zeros((b, g, h // g, lq, d), jnp.float32)
+    rank = jax.lax.axis_index(axis)
+    block = (k, v, kpos)
+    for step in range(cp):
+        # Issue the next transfer before this block's maths so the two can overlap.
+        nxt = jax.lax.ppermute(block, axis, _ring_perm(cp)) if step < cp - 1 else None
+        if zigzag and step > 0:
+            src = (rank - step) % cp
+            k_s, v_s, kpos_s = block
+            m, l, acc = _zigzag_forward_step(src, rank, q5, k_s, v_s, qpos, kpos_s, m, l, acc)
+        else:
+            m, l, acc = _block_forward(q5, block[0], block[1], qpos, block[2], m, l, acc)
+        block = nxt
+    out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
+    lse = m + jnp.log(l)
+    out_bxlxhxk = jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, lq, h, d).astype(q.dtype)
+    return out_bxlxhxk, jnp.transpose(lse, (0, 3, 1, 2)).reshape(b, lq, h)
+
+
+def _ring_backward_kernel(q, k, v, qpos, kpos, out, lse, dout, *, axis: str, cp: int,
+                          zigzag: bool):
+    """Per-rank backward: K/V travel the ring as in the forward, followed by their gradient
+    accumulators, which take one extra hop to arrive back at the owner rank."""
+    b, lq, h, d = q.shape
+    g = k.shape[2]
+    r = h // g
+    q5 = q.reshape(b, lq, g, r, d)
+    do5 = dout.reshape(b, lq, g, r, d).astype(jnp.float32)
+    delta = jnp.sum(do5 * out.reshape(b, lq, g, r, d).astype(jnp.float32), axis=-1)
+    delta = jnp.transpose(delta, (0, 2, 3, 1))
+    lse = jnp.transpose(lse.reshape(b, lq, g, r), (0, 2, 3, 1))
+    lse = jnp.where(jnp.isfinite(lse), lse, 0.0)  # rows that see nothing have p == 0
+    rank = jax.lax.axis_index(axis)
+    dq5 = jnp.zeros(q5.shape, jnp.float32)
+    dk = jnp.zeros(k.shape, jnp.float32)
+    dv = jnp.zeros(v.shape, jnp.float32)
+    block = (k, v, kpos)
+    for step in range(cp):
+        nxt = jax.lax.ppermute(block, axis, _ring_perm(cp)) if step < cp - 1 else None
+        if zigzag and step > 0:
+            src = (rank - step) % cp
+            k_s, v_s, kpos_s = block
+            dq_s, dk_s, dv_s = _zigzag_backward_step(
+                src, rank, q5, k_s, v_s, qpos, kpos_s, do5, lse, delta
+            )
+        else:
+            dq_s, dk_s, dv_s = _block_backward(q5, block[0], block[1], qpos, block[2], do5,
+                                               lse, delta)
+        dq5 = dq5 + dq_s
+        dk, dv = jax.lax.ppermute((dk + dk_s, dv + dv_s), axis, _ring_perm(cp))
+        block = nxt
+    return dq5.reshape(q.shape).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+def _allgather_kernel(q, k, v, qpos, kpos, *, axis: str):
+    k_all = jax.lax.all_gather(k, axis, axis=1, tiled=True)
+    v_all = jax.lax.all_gather(v, axis, axis=1, tiled=True)
+    kpos_all = jax.lax.all_gather(kpos, axis, axis=kpos.ndim - 1, tiled=True)
+    return causal_attention(q, k_all, v_all, qpos, kpos_all)
+
+
+# -- public entry point -----------------------------------------------------------------
+
+
+def _axis_size(mesh: Mesh, axis: str | None) -> int:
+    return 1 if axis is None else int(mesh.shape[axis])
+
+
+def _check_axes(mesh: Mesh, axes: Sequence[str | None], what: str) -> None:
+    for a in axes:
+        if a is not None and a not in mesh.axis_names:
+            raise ValueError(
+                f"ring_attention: {what} axis {a!r} is not a mesh axis {mesh.axis_names};"
+                " pass an axis of the mesh (or None)"
+            )
+
+
+def ring_attention(
+    q_BxLxHxK: jax.Array,
+    k_BxLxGxK: jax.Array,
+    v_BxLxGxK: jax.Array,
+    positions: jax.Array,
+    *,
+    mesh: Mesh | None,
+    cp_axis: str = "cp",
+    batch_axes: Sequence[str] = ("dp", "ep"),
+    head_axis: str | None = "tp",
+    impl: Impl = "ring",
+    zigzag: bool = False,
+) -> jax.Array:
+    """Causal GQA attention with the sequence sharded over the ``cp_axis`` of ``mesh``.
+
+    Inputs and output are global-view arrays in stored (e.g. zigzag) order; the result
+    equals :func:`causal_attention` of the same arrays, i.e. plain causal attention of
+    the un-permuted sequence, permuted. Differentiable; the ring has a custom VJP.
+
+    Args:
+        q_BxLxHxK: queries. k_BxLxGxK, v_BxLxGxK: keys/values; ``G`` divides ``H``.
+        positions: ``[L]`` or ``[B, L]`` integer original position of every stored token
+            (for the zigzag layout, ``zigzag_permutation(L, cp)``); RoPE must have been
+            applied with the same positions. The mask is ``q_pos >= k_pos``.
+        mesh: the module or stage mesh; ``None`` or ``cp == 1`` runs
+            :func:`causal_attention` directly (no ``shard_map``; GSPMD shards dp/tp).
+        cp_axis: mesh axis that shards the sequence.
+        batch_axes: mesh axes that shard the batch dimension.
+        head_axis: mesh axis that shards heads (tensor parallelism) or None. If ``G``
+            is not a multiple of its size, K/V are repeated to ``H`` heads first.
+        impl: ``"ring"`` (ppermute K/V ``cp - 1`` times; ``O(L/cp)`` memory) or
+            ``"allgather"`` (one all-gather of K/V; ``O(L)`` memory, lower latency).
+        zigzag: ring only: skip the causally hidden half of each off-diagonal block.
+            Only valid when every row of ``positions`` is ``zigzag_permutation(L, cp)``.
+
+    Returns:
+        ``[B, L, H, K]`` attention output, in the dtype of ``q``, sharded like ``q``.
+
+    Raises:
+        ValueError: unknown axis, or a dimension not divisible by its mesh axes.
+    """
+    if impl not in ("ring", "allgather"):
+        raise ValueError(f"ring_attention: impl={impl!r}; use 'ring' or 'allgather'")
+    b, seq, h, d = q_BxLxHxK.shape
+    g = k_BxLxGxK.shape[2]
+    if h % g:
+        raise ValueError(f"ring_attention: {h} query heads is not a multiple of {g} kv heads")
+    positions = jnp.asarray(positions, jnp.int32)
+    if positions.shape not in ((seq,), (b, seq)):
+        raise ValueError(
+            f"ring_attention: positions has shape {positions.shape}; expected ({seq},) or"
+            f" ({b}, {seq})"
+        )
+    cp = 1 if mesh is None or cp_axis not in mesh.axis_names else int(mesh.shape[cp_axis])
+    if cp == 1:
+        return causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, positions)
+
+    batch_axes = tuple(batch_axes)
+    _check_axes(mesh, (*batch_axes, head_axis), "batch/head")
+    n_batch = math.prod(_axis_size(mesh, a) for a in batch_axes)
+    tp = _axis_size(mesh, head_axis)
+    problems = []
+    if seq % cp:
+        problems.append(f"sequence length {seq} over {cp_axis}={cp}")
+    if zigzag and seq % (2 * cp):
+        problems.append(f"zigzag needs sequence length {seq} divisible by 2*cp={2 * cp}")
+    if b % n_batch:
+        problems.append(f"batch {b} over {batch_axes}={n_batch}")
+    if h % tp:
+        problems.append(f"{h} query heads over {head_axis}={tp}")
+    if problems:
+        raise ValueError(
+            "ring_attention: cannot shard " + "; ".join(problems)
+            + ". Change the layout or pad the arrays."
+        )
+    if g % tp:
+        # Megatron replicates kv heads when tp > G; repeating to H keeps heads aligned.
+        k_BxLxGxK = jnp.repeat(k_BxLxGxK, h // g, axis=2)
+        v_BxLxGxK = jnp.repeat(v_BxLxGxK, h // g, axis=2)
+
+    batch = batch_axes if batch_axes else None
+    x_spec = PartitionSpec(batch, cp_axis, head_axis, None)
+    lse_spec = PartitionSpec(batch, cp_axis, head_axis)
+    pos_spec = PartitionSpec(cp_axis) if positions.ndim == 1 else PartitionSpec(batch, cp_axis)
+    in_specs = (x_spec, x_spec, x_spec, pos_spec, pos_spec)
+
+    if impl == "allgather":
+        fn = jax.shard_map(
+            functools.partial(_allgather_kernel, axis=cp_axis),
+            mesh=mesh, in_specs=in_specs, out_specs=x_spec,
+        )
+        return fn(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, positions, positions)
+
+    kw = dict(axis=cp_axis, cp=cp, zigzag=zigzag)
+    fwd = jax.shard_map(
+        functools.partial(_ring_forward_kernel, **kw),
+        mesh=mesh, in_specs=in_specs, out_specs=(x_spec, lse_spec),
+    )
+    bwd = jax.shard_map(
+        functools.partial(_ring_backward_kernel, **kw),
+        mesh=mesh, in_specs=(*in_specs, x_spec, lse_spec, x_spec), out_specs=(x_spec,) * 3,
+    )
+
+    @jax.custom_vjp
+    def ring(q, k, v, pos):
+        return fwd(q, k, v, pos, pos)[0]
+
+    def ring_fwd(q, k, v, pos):
+        out, lse = fwd(q, k, v, pos, pos)
+        return out, (q, k, v, pos, out, lse)
+
+    def ring_bwd(res, dout):
+        q, k, v, pos, out, lse = res
+        dq, dk, dv = bwd(q, k, v, pos, pos, out, lse, dout)
+        return dq, dk, dv, None
+
+    ring.defvjp(ring_fwd, ring_bwd)
+    return ring(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, positions)
