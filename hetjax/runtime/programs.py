@@ -10,9 +10,11 @@ Two choices that matter for speed and equality with the reference:
   A stage keeps one input activation per in-flight microbatch, which is what 1F1B's
   memory bound counts, instead of every intermediate of the stage.
 - **Gradients stay per data-parallel replica while accumulating.** The backward maps
-  the stage over the ``R = dp`` replicas with ``jax.vmap(..., spmd_axis_name=("dp",
-  "ep"))``, so its parameter gradient has a leading replica axis sharded over DP and
-  XLA inserts no all-reduce. :meth:`StageProgram.reduce` sums that axis once per step:
+  the stage over the ``R`` replicas of the mesh's ``dp`` axis with ``jax.vmap(...,
+  spmd_axis_name="dp")``, so its parameter gradient has a leading replica axis sharded
+  over DP and XLA inserts no all-reduce. (With expert parallelism the ``ep`` ranks of a
+  replica exchange tokens inside it, so ``R = dp / ep`` and the gradients of the
+  non-expert weights are summed over ``ep`` within the microbatch.) :meth:`StageProgram.reduce` sums that axis once per step:
   one DP reduction per parameter per step, whatever the microbatch count.
 """
 
@@ -32,7 +34,8 @@ from hetjax.meshes import param_shardings
 from hetjax.runtime.graph import ModuleSpec
 from hetjax.runtime.optim import OptimizerConfig, make_optimizer
 
-BATCH_AXES = ("dp", "ep")
+BATCH_AXES = ("dp", "ep")  # the batch dimension is split over both
+REPLICA_AXIS = "dp"  # gradients are kept per replica of this axis until the step ends
 
 
 def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
@@ -131,12 +134,12 @@ class StageProgram:
         self.first = stage == 0
         self.last = stage == spec.layout.pp - 1
         self.is_sink = is_sink
-        self.replicas = spec.layout.dp
+        self.replicas = mesh.shape[REPLICA_AXIS]
         self.axes = self.slice_params({p.name: p.logical_axes() for p in spec.parts})
         self.param_shardings = param_shardings(self.axes, mesh)
         self.replicated = NamedSharding(mesh, P())
         self.acc_shardings = jax.tree.map(
-            lambda s: NamedSharding(mesh, P(BATCH_AXES, *s.spec)), self.param_shardings
+            lambda s: NamedSharding(mesh, P(REPLICA_AXIS, *s.spec)), self.param_shardings
         )
         self.optimizer = make_optimizer(
             dataclasses.replace(optimizer, clip_norm=0.0), logical_axes=self.axes
@@ -207,7 +210,7 @@ class StageProgram:
             start, stop = self.spec.stage_layers(self.stage)
             h = main.apply_blocks(
                 mine["blocks"], h, start=start, stop=stop,
-                carry_sharding=self._carry_sharding(h, batch_axes=None if per_replica else BATCH_AXES),
+                carry_sharding=self._carry_sharding(h, batch_axes=self.batch_axes(per_replica)),
             )
         if not self.last:
             return h
@@ -218,6 +221,12 @@ class StageProgram:
         for part in parts[1:]:
             h = part(params[part.name], h)
         return h
+
+    def batch_axes(self, per_replica: bool) -> tuple[str, ...] | None:
+        """Mesh axes the batch dimension is split over, here or inside the replica vmap."""
+        if not per_replica:
+            return BATCH_AXES
+        return ("ep",) if self.mesh.shape["ep"] > 1 else None
 
     def _carry_sharding(self, h: Any, *, batch_axes: Any) -> NamedSharding | None:
         """Sequence parallelism: the residual stream between blocks is split on its
@@ -255,7 +264,7 @@ class StageProgram:
             loss = y if self.is_sink and self.last else jnp.zeros((), jnp.float32)
             return gp, gx, loss
 
-        gp, gx, loss = jax.vmap(per_replica, spmd_axis_name=BATCH_AXES)(
+        gp, gx, loss = jax.vmap(per_replica, spmd_axis_name=REPLICA_AXIS)(
             jax.tree.map(split, x), jax.tree.map(split, batch), jax.tree.map(split, g_out)
         )
         acc = jax.tree.map(jnp.add, acc, gp)
