@@ -8,6 +8,7 @@ with ``pp=2, tp=2`` - for a run that finishes in well under two minutes on a lap
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Sequence
 from typing import Literal
 
@@ -135,12 +136,21 @@ def main(config: TrainConfig) -> int:
             weight_decay=config.weight_decay,
             clip_norm=config.clip_norm,
         )
+        if config.metrics and not os.path.isdir(os.path.dirname(os.path.abspath(config.metrics))):
+            raise ConfigError(
+                f"--metrics {config.metrics}: directory "
+                f"{os.path.dirname(os.path.abspath(config.metrics))} does not exist; create it "
+                "or write the metrics elsewhere"
+            )
         model = MLLM(preset, dtype=jnp.bfloat16 if config.dtype == "bfloat16" else jnp.float32)
-        params = model.init(jax.random.key(config.seed))
+
+        def init_params():  # only after every check: init runs (and compiles) JAX ops
+            return model.init(jax.random.key(config.seed))
+
         if config.reference:
-            trainer, layout_text = _reference(config, model, params, opt_cfg, devices)
+            trainer, layout_text = _reference(config, model, init_params, opt_cfg, devices)
         else:
-            trainer, layout_text = _heterogeneous(config, model, params, opt_cfg, devices)
+            trainer, layout_text = _heterogeneous(config, model, init_params, opt_cfg, devices)
     except ValueError as e:  # LayoutError, BoundaryError, ScheduleError are ValueErrors
         raise ConfigError(str(e)) from None
 
@@ -174,7 +184,7 @@ def main(config: TrainConfig) -> int:
     return 0
 
 
-def _reference(config, model, params, opt_cfg, devices):
+def _reference(config, model, init_params, opt_cfg, devices):
     import hetjax
 
     for flag, on in (("--timeline", config.timeline), ("--zero1", config.zero1),
@@ -185,14 +195,16 @@ def _reference(config, model, params, opt_cfg, devices):
     hetjax.runtime.check_batch_split(config.global_batch, config.microbatches, len(devices))
     axes = {name: m.logical_axes() for name, m in model.modules.items()}
     trainer = hetjax.ReferenceTrainer(
-        model.loss_sum, params, hetjax.make_optimizer(opt_cfg, logical_axes=axes),
+        model.loss_sum, init_params(), hetjax.make_optimizer(opt_cfg, logical_axes=axes),
         devices=devices, microbatches=config.microbatches,
     )
     return trainer, f"reference data parallel: dp={len(devices)}"
 
 
-def _heterogeneous(config, model, params, opt_cfg, devices):
+def _heterogeneous(config, model, init_params, opt_cfg, devices):
     import hetjax
+    from hetjax.meshes import validate_batch
+    from hetjax.runtime.executor import homogeneous_graph
 
     names = model.module_names
     given = hetjax.runtime.parse_layouts(config.layout, names)
@@ -201,12 +213,17 @@ def _heterogeneous(config, model, params, opt_cfg, devices):
     elif "llm" not in given:
         raise ConfigError("give the LLM's layout too, e.g. --layout llm:dp=2,tp=2,pp=2")
     layouts = {n: given.get(n, given["llm"]) for n in names}
-    model.validate_layouts(layouts)
+    model.validate_layouts(layouts, seq_len=config.seq_len or model.config.seq_len)
     mode = "homogeneous" if config.homogeneous else config.placement
     if config.island and mode != "non-colocated":
         raise ConfigError("--island is only for --placement non-colocated")
+    graph = model.train_graph(layouts)
+    # The batch check the Executor repeats, but before parameters exist (no compilation).
+    effective = homogeneous_graph(graph) if mode == "homogeneous" else graph
+    for spec in effective.modules:
+        validate_batch(spec.name, spec.layout, config.global_batch, config.microbatches)
     trainer = hetjax.Executor(
-        model.train_graph(layouts), params, devices=devices, mode=mode,
+        graph, init_params(), devices=devices, mode=mode,
         islands=parse_islands(config.island) if config.island else None,
         microbatches=config.microbatches, schedule=config.schedule, optimizer=opt_cfg,
         offload_encoders=config.offload_encoder,

@@ -13,12 +13,15 @@ things go wrong in practice, and this module handles each:
   processes (two tiny all-gathers through the public ``multihost_utils``) and refuses a
   run whose processes were started with different settings, in one line on every process.
 - **A dead peer.** Without help, the survivors of a crash wait in a collective until
-  JAX's heartbeat timeout aborts them with a C++ stack trace. :func:`watch_peers` starts a
-  daemon thread that publishes a heartbeat in JAX's coordination key-value store and
-  watches everyone else's; an uncaught exception is published too. A process whose peer
-  raised stops within about a second; one whose peer vanished (killed, out of memory)
-  stops once that peer's heartbeat is ``timeout_s`` old; both print one line naming the
-  peer and exit with :data:`PEER_FAILED_EXIT_CODE`.
+  JAX's heartbeat timeout aborts them with a C++ stack trace, and a process that raised
+  waits at JAX's exit barrier for them. :func:`initialize` installs an excepthook that
+  publishes an uncaught exception in JAX's coordination key-value store and exits at
+  once; :func:`watch_peers` starts a daemon thread that publishes a heartbeat there and
+  watches everyone else's (and, on the same machine, their OS processes). A process
+  whose peer raised, or whose peer on the same machine vanished (killed, out of memory),
+  stops within about a second; one whose peer on another machine vanished stops once
+  that peer's heartbeat is ``timeout_s`` old. It prints one line naming the peer and
+  exits with :data:`PEER_FAILED_EXIT_CODE`.
 
 The watchdog (like ``multihost_utils`` itself) reaches the coordination client through
 ``jax._src.distributed.global_state.client``: JAX 0.10-0.12 has no public key-value API.
@@ -35,6 +38,7 @@ import inspect
 import json
 import logging
 import os
+import socket
 import sys
 import threading
 import time
@@ -56,6 +60,7 @@ _KEY_PREFIX = "hetjax/"
 _KEY_FAILED = "hetjax/failed"  # "PROCESS\tREASON" of the first failure; set once
 _KEY_HEARTBEAT = "hetjax/heartbeat/"  # + process id: a counter that advances while alive
 _KEY_DONE = "hetjax/done/"  # + process id: finished cleanly, stop watching it
+_KEY_PROC = "hetjax/proc/"  # + process id: "HOST\tOS_PID\tSTART_TIME" of that process
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,12 +152,19 @@ def initialize(
         coordinator: HOST:PORT of process 0's coordination service.
         num_processes: processes in the job.
         process_id: this process's index.
-        local_device_count: devices per process; on CPU, how many to simulate.
-        cpu: run on CPU devices (sets ``jax_platforms=cpu``). CPU runs, also ones the
-            launcher marked with ``JAX_PLATFORMS=cpu``, get gloo collectives.
+        local_device_count: devices per process: how many CPU devices to simulate
+            (``jax_num_cpu_devices``); GPUs per process are chosen by the launcher
+            (``CUDA_VISIBLE_DEVICES``) or by JAX's SLURM detection.
+        cpu: run on CPU devices (sets ``jax_platforms=cpu``). Multi-process CPU runs,
+            also ones the launcher marked with ``JAX_PLATFORMS=cpu``, use gloo collectives.
         heartbeat_timeout_s: JAX's own limit after which a silent process is declared
             dead and every process aborts (the backstop behind :func:`watch_peers`).
         shutdown_timeout_s: how long a finished process waits at exit for the others.
+
+    In a multi-process run it also installs an excepthook: an uncaught exception is
+    published to the other processes (see :func:`watch_peers`) and the process exits
+    at once with status 1 instead of waiting ``shutdown_timeout_s`` at JAX's exit
+    barrier for peers that are stuck in a collective it will never join.
 
     Returns:
         This process's place in the job; ``num_processes == 1`` means no
@@ -178,13 +190,16 @@ def initialize(
     )
     import jax
 
-    on_cpu = cpu or os.environ.get("JAX_PLATFORMS", "").strip().lower() == "cpu"
     if cpu:
         jax.config.update("jax_platforms", "cpu")
-    if on_cpu and info.local_device_count is not None:
+    if info.local_device_count is not None:
+        # Only the CPU backend reads it: harmless where the devices are GPUs.
         jax.config.update("jax_num_cpu_devices", info.local_device_count)
     if info.is_multiprocess:
-        if on_cpu:
+        on_cpu = cpu or os.environ.get("JAX_PLATFORMS", "").strip().lower() == "cpu"
+        if on_cpu or jax.config.jax_cpu_collectives_implementation is None:
+            # Gloo is JAX's default only from some version on; without it cross-process
+            # CPU programs fail.
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
         kwargs: dict[str, Any] = {}
         if info.source != "cluster":
@@ -202,6 +217,8 @@ def initialize(
                 kwargs[name] = value
         jax.distributed.initialize(**kwargs)
     _info = info
+    if info.is_multiprocess:
+        _install_guard()
     return info
 
 
@@ -246,40 +263,42 @@ def watch_peers(timeout_s: float = 30.0, *, interval_s: float = 1.0) -> None:
     Starts a daemon thread that every ``interval_s`` advances this process's heartbeat
     in the coordination service and reads the others'. It ends this process (one line
     on stderr, exit status :data:`PEER_FAILED_EXIT_CODE`) when another process published
-    a failure - an uncaught exception, seen within ``interval_s`` - or when a peer's
-    heartbeat has not advanced for ``timeout_s`` (killed, out of memory, machine lost).
-    It also installs an excepthook that publishes this process's own uncaught exception
-    and then exits without waiting at JAX's shutdown barrier for peers that will not
-    come. Peers that finished cleanly are no longer watched. Call once, after
-    :func:`initialize`; a no-op in a single-process run. A hang in which every process
-    stays alive (e.g. collectives issued in different orders) is not detected.
+    a failure (an uncaught exception or :func:`fail`; seen within ``interval_s``), when
+    a peer on this machine has vanished (killed, out of memory: its OS process is gone,
+    seen within ``interval_s``), or when a peer's heartbeat has not advanced for
+    ``timeout_s`` (a vanished peer on another machine, a machine lost). Peers that
+    finished cleanly are no longer watched. Call once, after
+    :func:`initialize`; a no-op in a single-process run. Not detected: a hang in which
+    every process stays alive (e.g. collectives issued in different orders).
 
     Keep ``timeout_s`` below ``heartbeat_timeout_s`` of :func:`initialize`, so the clear
-    line comes before JAX's abort.
+    line comes before JAX's own abort.
     """
-    if _watchdog is not None or not _is_multiprocess():
+    guard = _guard or _install_guard()
+    if guard is None or guard.thread is not None:
         return
-    client = _kv_client()
-    if client is None:
-        logger.warning(
-            "hetjax.distributed.watch_peers: this JAX has no coordination client at "
-            "jax._src.distributed.global_state.client; relying on JAX's heartbeat timeout"
-        )
+    guard.timeout_s, guard.interval_s = float(timeout_s), float(interval_s)
+    try:  # A key-value API that changed must not later pass for a lost coordinator.
+        guard.find_local_peers(_where()[1])
+        guard.beat()
+    except Exception as e:  # noqa: BLE001
+        logger.warning("hetjax.distributed.watch_peers disabled: %s: %s", type(e).__name__, e)
         return
-    _start_watchdog(client, _process_id(), float(timeout_s), float(interval_s))
+    guard.thread = threading.Thread(target=guard.watch, name="hetjax-watch-peers", daemon=True)
+    guard.thread.start()
 
 
 def fail(reason: str, *, exit_code: int = 1) -> NoReturn:
     """Tells the other processes that this one failed, prints ``reason``, exits now.
 
     For an error that is handled rather than raised (e.g. a one-line config error that
-    ends with ``sys.exit``): peers stop at once instead of waiting in a collective, and
-    this process does not wait at JAX's shutdown barrier.
+    ends in ``sys.exit``): watching peers stop at once instead of waiting in a
+    collective, and this process does not wait at JAX's shutdown barrier for them.
     """
-    print(f"hetjax: process {_process_id()}: {reason}", file=sys.stderr)
-    if _watchdog is not None:
-        _watchdog.publish_failure(reason)
-    _exit_now(exit_code, linger=_watchdog is not None and _process_id() == 0)
+    print(f"hetjax: process {_where()[0]}: {reason}", file=sys.stderr)
+    if _guard is not None:
+        _guard.publish(_guard.me, reason)
+    _exit_now(exit_code)
 
 
 # --- settings --------------------------------------------------------------------------
@@ -308,20 +327,13 @@ def _cluster_env(env: Mapping[str, str]) -> tuple[int, int] | None:
     return (count, rank) if count > 1 else None
 
 
-def _is_multiprocess() -> bool:
+def _where() -> tuple[int, int]:
+    """(process id, number of processes), from :func:`initialize` or else from JAX."""
     if _info is not None:
-        return _info.is_multiprocess
+        return _info.process_id, _info.num_processes
     import jax
 
-    return jax.process_count() > 1
-
-
-def _process_id() -> int:
-    if _info is not None:
-        return _info.process_id
-    import jax
-
-    return jax.process_index()
+    return jax.process_index(), jax.process_count()
 
 
 # --- consistency check -----------------------------------------------------------------
@@ -329,10 +341,22 @@ def _process_id() -> int:
 _LONG = 120  # characters; longer values are compared (and shown) by hash
 
 
+def _jsonable(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    if isinstance(value, set | frozenset):  # repr order depends on the per-process hash seed
+        return sorted(repr(v) for v in value)
+    return repr(value)
+
+
 def _canonical(payload: Mapping[str, Any]) -> dict[str, str]:
+    """Key -> canonical text of its value: equal values give equal text in every process."""
     out = {}
     for key, value in payload.items():
-        text = json.dumps(value, sort_keys=True, default=repr)
+        try:
+            text = json.dumps(value, sort_keys=True, default=_jsonable)
+        except (TypeError, ValueError):  # e.g. a dict with tuple keys
+            text = repr(value)
         if len(text) > _LONG:
             digest = hashlib.sha256(text.encode()).hexdigest()[:12]
             text = f"{text[:40]}...(sha256 {digest})"
@@ -377,11 +401,12 @@ def _kv_client() -> Any:
     return client if client is not None and all(hasattr(client, m) for m in needed) else None
 
 
-def _exit_now(code: int, *, linger: bool = False) -> NoReturn:
+def _exit_now(code: int) -> NoReturn:
     """Flushes what can be flushed and ends the process without JAX's exit barrier."""
-    if linger:
-        # Process 0 hosts the coordination service: stay until peers could read the news.
-        time.sleep(2.0 * (_watchdog.interval_s if _watchdog else 1.0))
+    if _guard is not None and _guard.me == 0 and _guard.thread is not None:
+        # Process 0 hosts the coordination service, and JAX aborts every other process
+        # once it is gone: stay until their watchdogs have read why.
+        time.sleep(2.0 * _guard.interval_s)
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
@@ -391,40 +416,90 @@ def _exit_now(code: int, *, linger: bool = False) -> NoReturn:
     os._exit(code)
 
 
-class _Watchdog:
-    def __init__(self, client: Any, me: int, timeout_s: float, interval_s: float):
+class _Guard:
+    """This process's link to the others: failure reports, heartbeats, the watch loop."""
+
+    def __init__(self, client: Any, me: int):
         self.client = client
         self.me = me
-        self.timeout_s = timeout_s
-        self.interval_s = interval_s
-        self.stop = threading.Event()
         self.failed = False  # this process failed: skip JAX's exit barrier
         self.exit_code = 1
+        self.stopping = threading.Event()
         self.previous_hook: Callable[..., Any] = sys.excepthook
-        self.thread = threading.Thread(target=self.run, name="hetjax-watch-peers", daemon=True)
+        self.thread: threading.Thread | None = None
+        self.timeout_s = 30.0
+        self.interval_s = 1.0
+        self.beats = 0
+        self.host = _host_id()
+        self.local: dict[str, tuple[int, str]] = {}  # peer -> (OS pid, start) on this host
 
-    def publish_failure(self, reason: str) -> None:
-        self.failed = True
-        self._publish(self.me, reason)
+    def register(self) -> None:
+        """Publishes this process's OS identity, so peers on this host can check on it."""
+        start = _proc_start(os.getpid()) or ""
+        value = f"{self.host}\t{os.getpid()}\t{start}"
+        self.client.key_value_set(f"{_KEY_PROC}{self.me}", value, allow_overwrite=True)
 
-    def _publish(self, process: int, reason: str) -> None:
+    def find_local_peers(self, count: int, wait_s: float = 10.0) -> None:
+        """Notes the peers whose OS process this one can see (same host, same PID space).
+
+        Runs while every peer is alive (they registered right after initialize), so a
+        peer in another PID namespace or on another machine is never mistaken for a
+        dead one later.
+        """
+        deadline = time.monotonic() + wait_s
+        while True:
+            entries = dict(self.client.key_value_dir_get(_KEY_PROC))
+            if len(entries) >= count or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        for key, value in entries.items():
+            peer = key[len(_KEY_PROC) :]
+            host, pid, start = value.split("\t")
+            if peer != str(self.me) and host == self.host and start:
+                if _proc_start(int(pid)) == start:
+                    self.local[peer] = (int(pid), start)
+
+    def dead_local_peer(self, entries: Mapping[str, str]) -> tuple[str, int] | None:
+        """A peer on this machine whose OS process has ended (checked through /proc)."""
+        for peer, (pid, start) in self.local.items():
+            if f"{_KEY_DONE}{peer}" not in entries and _proc_start(pid) != start:
+                return peer, pid
+        return None
+
+    def publish(self, process: int, reason: str) -> None:
+        if process == self.me:
+            self.failed = True
         line = " ".join(reason.split())[:300]
         try:  # No overwrite: the first failure wins and names the cause.
             self.client.key_value_set(_KEY_FAILED, f"{process}\t{line}")
         except Exception:  # noqa: BLE001 - already set, or the service is gone
             pass
 
+    def entries(self) -> dict[str, str]:
+        return dict(self.client.key_value_dir_get(_KEY_PREFIX))
+
     def first_failure(self) -> tuple[int, str] | None:
         try:
-            entries = dict(self.client.key_value_dir_get(_KEY_PREFIX))
+            return _parse_failure(self.entries())
         except Exception:  # noqa: BLE001
             return None
-        return _parse_failure(entries)
+
+    def beat(self) -> None:
+        self.beats += 1
+        key = f"{_KEY_HEARTBEAT}{self.me}"
+        self.client.key_value_set(key, str(self.beats), allow_overwrite=True)
 
     def excepthook(self, kind, value, tb) -> None:
-        first = self.first_failure()
-        if first is None or first[0] == self.me:
-            self.publish_failure(f"{kind.__name__}: {value}")
+        try:
+            entries = self.entries()
+        except Exception:  # noqa: BLE001
+            entries = {}
+        first = _parse_failure(entries)
+        dead = self.dead_local_peer(entries) if first is None else None
+        if dead is not None:  # e.g. a collective broken because that peer was killed
+            self.publish(int(dead[0]), f"died (OS process {dead[1]} ended)")
+        elif first is None or first[0] == self.me:
+            self.publish(self.me, f"{kind.__name__}: {value}")
         self.failed = True
         self.previous_hook(kind, value, tb)
         first = self.first_failure()
@@ -434,42 +509,45 @@ class _Watchdog:
             self.exit_code = PEER_FAILED_EXIT_CODE
 
     def at_exit(self) -> None:
-        self.stop.set()
+        self.stopping.set()
         if self.failed:
-            _exit_now(self.exit_code, linger=self.me == 0)
+            _exit_now(self.exit_code)
         try:
             self.client.key_value_set(f"{_KEY_DONE}{self.me}", "1", allow_overwrite=True)
         except Exception:  # noqa: BLE001
             pass
 
-    def run(self) -> None:
+    def watch(self) -> None:
         seen: dict[str, tuple[str, float]] = {}  # heartbeat key -> (value, when it changed)
         lost_since: float | None = None
-        beat = 0
-        while not self.stop.wait(self.interval_s):
-            beat += 1
+        while not self.stopping.wait(self.interval_s):
+            if _kv_client() is not self.client:  # jax.distributed.shutdown() ran here
+                return
             now = time.monotonic()
             try:
-                self.client.key_value_set(
-                    f"{_KEY_HEARTBEAT}{self.me}", str(beat), allow_overwrite=True
-                )
-                entries = dict(self.client.key_value_dir_get(_KEY_PREFIX))
+                self.beat()
+                entries = self.entries()
             except Exception as e:  # noqa: BLE001
-                if self.stop.is_set():
+                if _kv_client() is not self.client:
                     return
                 lost_since = lost_since or now
-                if now - lost_since > min(self.timeout_s, 3 * self.interval_s):
-                    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e)
-                    self._stop(f"lost the coordination service on process 0 ({first})")
+                if now - lost_since >= min(self.timeout_s, 2 * self.interval_s):
+                    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                    self.stop(f"lost the coordination service on process 0 ({first[:200]})")
                 continue
             lost_since = None
             failure = _parse_failure(entries)
             if failure is not None and failure[0] != self.me:
-                self._stop(f"process {failure[0]} failed ({failure[1]})")
+                self.stop(f"process {failure[0]} failed ({failure[1]})")
+            dead = self.dead_local_peer(entries)
+            if dead is not None and f"{_KEY_DONE}{dead[0]}" not in self.entries():
+                reason = f"died (OS process {dead[1]} ended)"
+                self.publish(int(dead[0]), reason)
+                self.stop(f"process {dead[0]} {reason}")
             for key, value in entries.items():
-                if not key.startswith(_KEY_HEARTBEAT) or key == f"{_KEY_HEARTBEAT}{self.me}":
-                    continue
                 peer = key[len(_KEY_HEARTBEAT) :]
+                if not key.startswith(_KEY_HEARTBEAT) or peer == str(self.me):
+                    continue
                 if f"{_KEY_DONE}{peer}" in entries:
                     continue
                 last = seen.get(key)
@@ -477,14 +555,33 @@ class _Watchdog:
                     seen[key] = (value, now)
                 elif now - last[1] > self.timeout_s:
                     reason = f"died or hung: no heartbeat for {now - last[1]:.0f} s"
-                    self._publish(int(peer), reason)
-                    self._stop(f"process {peer} {reason}")
+                    self.publish(int(peer), reason)
+                    self.stop(f"process {peer} {reason}")
 
-    def _stop(self, what: str) -> NoReturn:
-        if self.stop.is_set():  # exiting normally meanwhile
-            sys.exit(0)
+    def stop(self, what: str) -> None:
+        if self.stopping.is_set():  # this process is exiting normally meanwhile
+            return
         print(f"hetjax: {what}; stopping process {self.me}", file=sys.stderr)
         _exit_now(PEER_FAILED_EXIT_CODE)
+
+
+def _host_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def _proc_start(pid: int) -> str | None:
+    """Start time of a live (not zombie) process from Linux /proc; None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+    except OSError:
+        return None
+    return None if len(fields) < 20 or fields[0] in ("Z", "X") else fields[19]
 
 
 def _parse_failure(entries: Mapping[str, str]) -> tuple[int, str] | None:
@@ -495,15 +592,30 @@ def _parse_failure(entries: Mapping[str, str]) -> tuple[int, str] | None:
     return int(process), reason
 
 
-_watchdog: _Watchdog | None = None
+_guard: _Guard | None = None
 
 
-def _start_watchdog(client: Any, me: int, timeout_s: float, interval_s: float) -> None:
-    global _watchdog
-    dog = _Watchdog(client, me, timeout_s, interval_s)
-    client.key_value_set(f"{_KEY_HEARTBEAT}{me}", "0", allow_overwrite=True)
-    sys.excepthook = dog.excepthook
+def _install_guard() -> _Guard | None:
+    """Publishes this process's uncaught exceptions; exits without the shutdown wait."""
+    global _guard
+    me, count = _where()
+    if _guard is not None or count == 1:
+        return _guard
+    client = _kv_client()
+    if client is None:
+        logger.warning(
+            "hetjax.distributed: this JAX has no coordination client at "
+            "jax._src.distributed.global_state.client; relying on JAX's heartbeat timeout"
+        )
+        return None
+    guard = _Guard(client, me)
+    try:
+        guard.register()
+    except Exception as e:  # noqa: BLE001 - e.g. a changed key-value API
+        logger.warning("hetjax.distributed: no failure reporting: %s: %s", type(e).__name__, e)
+        return None
+    _guard = guard
+    sys.excepthook = _guard.excepthook
     # Registered after JAX's own exit handler, so it runs first (atexit is LIFO).
-    atexit.register(dog.at_exit)
-    _watchdog = dog
-    dog.thread.start()
+    atexit.register(_guard.at_exit)
+    return _guard

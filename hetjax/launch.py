@@ -14,11 +14,16 @@ Example (2 processes x 4 simulated CPU devices)::
     python -m hetjax.launch --processes 2 --devices-per-process 4 -- \\
         experiments.llava_train --steps 10
 
-Several machines with SLURM need no launcher: ``jax.distributed.initialize()`` reads
-the job from SLURM's variables, so start one task per process (per GPU here)::
+Several machines with SLURM need no launcher: the trainer's
+:func:`hetjax.distributed.initialize` sees the SLURM job and lets
+``jax.distributed.initialize()`` read everything from SLURM's variables, so start one
+task per process (one per GPU here)::
 
     srun --nodes 2 --ntasks-per-node 8 --gpus-per-node 8 \\
         python -m experiments.llava_train --steps 10
+
+Elsewhere, start one process per machine by hand with the trainer's flags
+``--coordinator HOST0:PORT --num-processes N --process-id I``.
 
 With ``--gpu`` each local process gets its own ``--devices-per-process`` GPUs through
 ``CUDA_VISIBLE_DEVICES``; without it the processes run on CPU with gloo collectives.
@@ -46,12 +51,20 @@ from hetjax.distributed import (
 )
 
 PROG = "hetjax.launch"
-_KILL_WAIT_S = 5.0  # after SIGTERM, before SIGKILL
+_TERM_WAIT_S = 5.0  # on an interrupt: after SIGTERM, before SIGKILL
 _POLL_S = 0.05
 
 
 class _UsageError(Exception):
     pass
+
+
+class _Terminated(Exception):
+    """The launcher got SIGTERM (e.g. from a batch system or a CI timeout)."""
+
+
+def _on_sigterm(signum, frame) -> NoReturn:
+    raise _Terminated
 
 
 class _Parser(argparse.ArgumentParser):
@@ -89,19 +102,27 @@ def _parser() -> _Parser:
         usage=f"python -m {PROG} --processes N --devices-per-process K [options] "
         "-- MODULE [ARGS ...]",
     )
-    p.add_argument("--processes", type=_positive(int), required=True, help="processes to start")
+    p.add_argument(
+        "--processes", type=_positive(int), required=True, metavar="N", help="processes to start"
+    )
     p.add_argument(
         "--devices-per-process",
         type=_positive(int),
         required=True,
+        metavar="K",
         help="devices each process uses (simulated CPU devices, or GPUs with --gpu)",
     )
-    p.add_argument("--port", type=_positive(int), help="coordinator port (default: a free one)")
-    p.add_argument("--timeout", type=_positive(float), help="stop everything after S seconds")
+    p.add_argument(
+        "--port", type=_positive(int), metavar="P", help="coordinator port (default: a free one)"
+    )
+    p.add_argument(
+        "--timeout", type=_positive(float), metavar="S", help="stop everything after S seconds"
+    )
     p.add_argument(
         "--grace",
         type=_non_negative_float,
         default=10.0,
+        metavar="S",
         help="seconds the others get to stop on their own after a failure (default 10)",
     )
     p.add_argument("--gpu", action="store_true", help="give each process its own GPUs")
@@ -200,61 +221,79 @@ def _describe(code: int) -> str:
     return f"exited with code {code}"
 
 
-def _stop(procs: list[subprocess.Popen]) -> None:
+def _stop(procs: list[subprocess.Popen], *, patience_s: float = 0.0) -> None:
+    """Ends the processes still running: SIGTERM first if ``patience_s`` > 0, then SIGKILL.
+
+    JAX catches SIGTERM (its preemption notifier), so a process that ignored its grace
+    period is killed outright; SIGTERM only serves an interrupted launch.
+    """
     alive = [p for p in procs if p.poll() is None]
+    if patience_s > 0:
+        for p in alive:
+            p.terminate()
+        deadline = time.monotonic() + patience_s
+        for p in alive:
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
     for p in alive:
-        p.terminate()
-    deadline = time.monotonic() + _KILL_WAIT_S
-    for p in alive:
-        try:
-            p.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
+        if p.poll() is None:
             p.kill()
             p.wait()
+
+
+def _spawn(args: argparse.Namespace, command: list[str], port: int, i: int) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", *command],
+        env=_environment(args, port, i),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+    )
+
+
+def _wait(
+    procs: list[subprocess.Popen], grace: float, timeout: float | None
+) -> tuple[dict[int, tuple[float, int]], bool]:
+    """Exit (time, code) per process that ended; stops waiting ``grace`` s after a failure."""
+    start = time.monotonic()
+    exits: dict[int, tuple[float, int]] = {}
+    stop_at: float | None = None
+    while len(exits) < len(procs):
+        now = time.monotonic()
+        for i, proc in enumerate(procs):
+            if i not in exits and (code := proc.poll()) is not None:
+                exits[i] = (now, code)
+                if code != 0 and stop_at is None:
+                    stop_at = now + grace
+        if stop_at is not None and now >= stop_at:
+            break
+        if timeout is not None and now - start > timeout:
+            return exits, True
+        time.sleep(_POLL_S)
+    return exits, False
 
 
 def run(args: argparse.Namespace, command: list[str]) -> int:
     """Starts the processes, waits for them; returns the launcher's exit status."""
     port = args.port or _free_port()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _on_sigterm)
     procs: list[subprocess.Popen] = []
     streams: list[_Prefixer] = []
-    for i in range(args.processes):
-        proc = subprocess.Popen(
-            [sys.executable, "-m", *command],
-            env=_environment(args, port, i),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
-        )
-        procs.append(proc)
-        assert proc.stdout is not None and proc.stderr is not None
-        streams += [
-            _Prefixer(proc.stdout, sys.stdout, f"[p{i}] "),
-            _Prefixer(proc.stderr, sys.stderr, f"[p{i}] "),
-        ]
-    start = time.monotonic()
-    exits: dict[int, tuple[float, int]] = {}  # process -> (when, exit code)
-    stop_at: float | None = None
-    timed_out = False
     try:
-        while len(exits) < len(procs):
-            now = time.monotonic()
-            for i, proc in enumerate(procs):
-                if i not in exits and (code := proc.poll()) is not None:
-                    exits[i] = (now, code)
-                    if code != 0 and stop_at is None:
-                        stop_at = now + args.grace
-            if stop_at is not None and now >= stop_at:
-                break
-            if args.timeout is not None and now - start > args.timeout:
-                timed_out = True
-                break
-            time.sleep(_POLL_S)
-    except KeyboardInterrupt:
-        _stop(procs)
+        for i in range(args.processes):
+            procs.append(proc := _spawn(args, command, port, i))
+            assert proc.stdout is not None and proc.stderr is not None
+            streams.append(_Prefixer(proc.stdout, sys.stdout, f"[p{i}] "))
+            streams.append(_Prefixer(proc.stderr, sys.stderr, f"[p{i}] "))
+        exits, timed_out = _wait(procs, args.grace, args.timeout)
+    except (KeyboardInterrupt, _Terminated) as e:
+        _stop(procs, patience_s=_TERM_WAIT_S)
         print(f"{PROG}: interrupted; stopped all processes", file=sys.stderr)
-        return 130
+        return 130 if isinstance(e, KeyboardInterrupt) else 143
     finally:
         _stop(procs)
         for s in streams:

@@ -95,6 +95,11 @@ class DataConfig:
         )
 
     def validate(self) -> None:
+        if self.seed < 0:  # numpy.random.default_rng([seed, index]) rejects it mid-run
+            raise ValueError(
+                f"--seed {self.seed}: the data seed must be a non-negative integer; "
+                f"use e.g. --seed {-self.seed}"
+            )
         need = self.max_sample_tokens()
         if self.seq_len + 1 < need:
             raise ValueError(

@@ -19,6 +19,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from hetjax.ops import context as parallel
+from hetjax.ops.ring_attention import ring_attention
+
 Axes = tuple[str | None, ...]
 INIT_STD = 0.02
 
@@ -171,12 +174,19 @@ class DecoderBlock(nnx.Module):
     def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
         b, l, _ = x_BxLxD.shape
         kd = self.head_dim
-        positions_L = jnp.arange(l)
+        ctx = parallel.current()
+        # Under context parallelism the sequence is stored load-balanced (permuted):
+        # RoPE and the causal mask use each element's ORIGINAL position.
+        positions_L = jnp.arange(l) if ctx is None else jnp.asarray(ctx.positions(l))
         h = self.attn_norm(x_BxLxD)
         q = apply_rope(self.q(h).reshape(b, l, self.heads, kd), positions_L, self.rope_theta)
         k = apply_rope(self.k(h).reshape(b, l, self.kv_heads, kd), positions_L, self.rope_theta)
         v = self.v(h).reshape(b, l, self.kv_heads, kd)
-        a = attention(q, k, v, causal=True).reshape(b, l, self.heads * kd)
+        if ctx is not None and ctx.cp > 1:
+            a = ring_attention(q, k, v, positions_L, mesh=ctx.mesh, batch_axes=ctx.batch_axes)
+        else:
+            a = attention(q, k, v, causal=True)
+        a = a.reshape(b, l, self.heads * kd)
         x_BxLxD = x_BxLxD + self.o(a)
         h = self.mlp_norm(x_BxLxD)
         return x_BxLxD + self.down(jax.nn.silu(self.gate(h)) * self.up(h))

@@ -15,21 +15,34 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from hetjax.modules import StagedModule
+from hetjax.ops import context as parallel
 from models.config import LLMConfig
 from models.layers import DecoderBlock, Dense, RMSNorm, normal_param
 
 
 def merge_modality_tokens(
-    h_BxLxD: jax.Array, is_slot_BxL: jax.Array, tokens_BxNxD: jax.Array
+    h_BxLxD: jax.Array,
+    is_slot_BxL: jax.Array,
+    tokens_BxNxD: jax.Array,
+    positions_L: np.ndarray | None = None,
 ) -> jax.Array:
     """Replaces the placeholder positions of each sample with its N modality tokens, in order.
 
     Every sample must have exactly N placeholder positions (the data pipeline ensures it).
+    ``positions_L``: original position of each stored element when the sequence is stored
+    permuted (context parallelism); slots are numbered in ORIGINAL order. Only the integer
+    slot mask is reordered for that, never the activations.
     """
-    idx_BxL = jnp.clip(jnp.cumsum(is_slot_BxL, axis=1) - 1, 0, tokens_BxNxD.shape[1] - 1)
+    if positions_L is None:
+        order = jnp.cumsum(is_slot_BxL, axis=1)
+    else:
+        inverse = np.argsort(positions_L)  # stored index of each original position
+        order = jnp.cumsum(is_slot_BxL[:, inverse], axis=1)[:, positions_L]
+    idx_BxL = jnp.clip(order - 1, 0, tokens_BxNxD.shape[1] - 1)
     gathered_BxLxD = jnp.take_along_axis(tokens_BxNxD, idx_BxL[..., None], axis=1)
     return jnp.where(is_slot_BxL[..., None], gathered_BxLxD.astype(h_BxLxD.dtype), h_BxLxD)
 
@@ -52,7 +65,9 @@ class TokenEmbed(nnx.Module):
                     f"{sorted(self.placeholders)}"
                 )
             is_slot_BxL = tokens_BxL == self.placeholders[modality]
-            h_BxLxD = merge_modality_tokens(h_BxLxD, is_slot_BxL, tokens_BxNxD)
+            ctx = parallel.current()
+            positions = None if ctx is None or ctx.cp == 1 else ctx.positions(tokens_BxL.shape[1])
+            h_BxLxD = merge_modality_tokens(h_BxLxD, is_slot_BxL, tokens_BxNxD, positions)
         return h_BxLxD
 
 

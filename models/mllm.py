@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from hetjax import Layout, Link, ModuleSpec, TrainGraph
-from hetjax.meshes import validate_divisible
+from hetjax.meshes import LayoutError, validate_divisible
 from hetjax.modules import Params, StagedModule
 from models import tokenizer
 from models.config import MLLMConfig
@@ -105,7 +105,7 @@ class MLLM:
             links.append(Link(enc_name, "llm", modality))
         modules.append(ModuleSpec(
             "llm", parts=(self.modules["llm"],), layout=layouts["llm"], inputs=("tokens",),
-            loss_inputs=("targets", "loss_mask"),
+            loss_inputs=("targets", "loss_mask"), seq_inputs=("tokens", "targets", "loss_mask"),
         ))
         return TrainGraph(tuple(modules), tuple(links))
 
@@ -114,13 +114,22 @@ class MLLM:
         """Layout / island names: the encoders present, then ``llm``."""
         return [MODALITIES[m][0] for m in self.modalities] + ["llm"]
 
-    def validate_layouts(self, layouts: Mapping[str, Layout]) -> None:
-        """Heads, kv heads, MLP width, vocabulary and layers divisible by tp / pp."""
+    def validate_layouts(
+        self, layouts: Mapping[str, Layout], *, seq_len: int | None = None
+    ) -> None:
+        """Heads, kv heads, MLP width, vocabulary and layers divisible by tp / pp; the
+        sequence by ``2 * cp`` (load-balanced context parallelism)."""
         for name, layout in layouts.items():
             if name == "llm":
                 c = self.config.llm
                 validate_divisible(name, layout, heads=c.heads, kv_heads=c.kv_heads,
                                    layers=c.depth, mlp=c.mlp, vocab=c.vocab)
+                if seq_len is not None and layout.cp > 1 and seq_len % (2 * layout.cp):
+                    raise LayoutError(
+                        f"llm: --seq-len {seq_len} must be divisible by 2*cp = {2 * layout.cp} "
+                        "(each context-parallel rank holds two mirrored chunks); use --seq-len "
+                        f"{-(-seq_len // (2 * layout.cp)) * 2 * layout.cp}"
+                    )
             else:
                 c = self.config.encoders[name]
                 validate_divisible(name, layout, heads=c.heads, layers=c.depth, mlp=c.mlp)

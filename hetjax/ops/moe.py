@@ -183,7 +183,7 @@ def moe_ffn(
     capacity_factor: float | None,
     mesh: Mesh | None = None,
     ep_axis: str = "ep",
-    batch_axes: Sequence[str] = ("dp", "ep"),
+    batch_axes: Sequence[str] | None = ("dp", "ep"),
     seq_axis: str | None = "cp",
     tp_axis: str | None = "tp",
     renormalize: bool | None = None,
@@ -201,14 +201,17 @@ def moe_ffn(
         mesh: module or stage mesh; ``None`` or ``ep_axis`` of size 1 gives the dense
             GShard einsum path (no ``shard_map``; GSPMD shards whatever it likes).
         ep_axis: mesh axis over which experts are sharded; must be in ``batch_axes``.
-        batch_axes: mesh axes sharding the batch dimension of ``x``.
+        batch_axes: mesh axes sharding the batch dimension of ``x``. Inside
+            ``jax.vmap(..., spmd_axis_name="dp")`` pass ``("ep",)``: vmap adds ``"dp"``.
         seq_axis: mesh axis sharding the sequence dimension of ``x`` (or None).
         tp_axis: mesh axis sharding the experts' ``F`` dimension (or None).
         renormalize: renormalise gates over the top-k; default ``top_k > 1``.
 
     Returns:
         ``(y_BxLxD, aux_loss)``: output in ``x.dtype`` (zero for fully dropped tokens),
-        and the float32 scalar load-balancing loss over the global batch.
+        and the float32 scalar load-balancing loss over all tokens of this call (under
+        a replica ``vmap``: per replica; ``f * P`` is a product of means, so the mean of
+        per-replica losses is close to, but not exactly, the global-batch loss).
 
     Raises:
         ValueError: bad ``top_k``, unknown axis, or a dimension not divisible by its axes.
@@ -227,13 +230,17 @@ def moe_ffn(
     ep = 1 if mesh is None or ep_axis not in mesh.axis_names else int(mesh.shape[ep_axis])
     if ep == 1:
         y_TxD, aux = _moe_tokens(
-            params, x_BxLxD.reshape(b * l, d), experts_fn=functools.partial(
+            params,
+            x_BxLxD.reshape(b * l, d),
+            experts_fn=functools.partial(
                 _swiglu_experts, params["gate"], params["up"], params["down"]
-            ), token_sum=lambda tree: tree, **kw,
+            ),
+            token_sum=lambda tree: tree,
+            **kw,
         )
         return y_TxD.reshape(b, l, d), aux
 
-    batch_axes = tuple(batch_axes)
+    batch_axes = tuple(batch_axes or ())
     for a in (*batch_axes, seq_axis, tp_axis):
         if a is not None and a not in mesh.axis_names:
             raise ValueError(
@@ -324,10 +331,10 @@ class MoEFFN(nnx.Module):
         """``(y_BxLxD, aux_loss)``; ``mesh`` and ``axes`` (``ep_axis=...``, ...) as in
         :func:`moe_ffn`."""
         params = {
-            "router": self.router.value,
-            "gate": self.gate.value,
-            "up": self.up.value,
-            "down": self.down.value,
+            "router": self.router[...],
+            "gate": self.gate[...],
+            "up": self.up[...],
+            "down": self.down[...],
         }
         return moe_ffn(
             params,

@@ -10,12 +10,15 @@ so any permutation of the sequence works; the default one is the zigzag layout b
 
 Why a ring and not an all-gather of K/V (``impl="allgather"``, also offered):
 
-* memory: a rank never holds more than two K/V blocks of ``L/cp`` tokens, and the
-  backward pass (a custom VJP that passes K/V and their gradient accumulators around the
-  ring again) saves only ``O(L/cp)`` residuals, whereas an all-gather materialises the
-  full ``L``-token K/V on every rank (and autodiff keeps it for the backward);
+* memory: a rank never holds more than two K/V blocks of ``L/cp`` tokens and one
+  ``[L/cp, L/cp]`` score block (the loop is a ``lax.scan``), and the backward pass (a
+  custom VJP that passes K/V and their gradient accumulators around the ring again)
+  saves only ``O(L/cp)`` residuals; an all-gather materialises the full ``L``-token K/V
+  and ``[L/cp, L]`` scores on every rank, and autodiff keeps them for the backward.
+  (A fused flash kernel inside each step would tile the score block too; this one is
+  plain XLA so it runs and is tested on CPU.)
 * overlap: the ``ppermute`` of the next block does not depend on the current block's
-  maths, so XLA can run the transfer under the compute (the loop is unrolled on purpose).
+  maths, so XLA can run the transfer under the compute.
 
 The all-gather is one collective instead of ``cp - 1`` and is simpler; for short
 sequences or small ``cp`` its latency is lower and the memory it costs is small. The ring
@@ -30,7 +33,8 @@ mask hides (it is exactly half for every rank and step in the zigzag layout), ha
 attention FLOPs; without it every block is computed densely and masked.
 
 Shape key: B batch, L sequence, H query heads, G kv heads (divides H), K head dim.
-A trailing ``l`` (``q_bxlxhxk``) marks a rank-local block inside ``shard_map``.
+Inside ``shard_map`` kernels, ``b``/``lq``/``s`` are rank-local sizes, ``r = H/G``, and
+``q5`` is the query viewed as ``[b, lq, G, r, K]``.
 """
 
 from __future__ import annotations
@@ -105,7 +109,7 @@ def _batched_positions(pos: jax.Array) -> jax.Array:
 
 def _mask_bx1x1xlxs(qpos: jax.Array, kpos: jax.Array) -> jax.Array:
     q, k = _batched_positions(qpos), _batched_positions(kpos)
-    return (q[:, None, None, :, None] >= k[:, None, None, None, :])
+    return q[:, None, None, :, None] >= k[:, None, None, None, :]
 
 
 def causal_attention(
@@ -132,9 +136,7 @@ def causal_attention(
     b, l, h, d = q_BxLxHxK.shape
     g = k_BxSxGxK.shape[2]
     q_BxLxGxRxK = q_BxLxHxK.reshape(b, l, g, h // g, d)
-    s = jnp.einsum(
-        "blgrk,bsgk->bgrls", q_BxLxGxRxK, k_BxSxGxK, preferred_element_type=jnp.float32
-    )
+    s = jnp.einsum("blgrk,bsgk->bgrls", q_BxLxGxRxK, k_BxSxGxK, preferred_element_type=jnp.float32)
     s = s / jnp.sqrt(jnp.float32(d))
     s = jnp.where(_mask_bx1x1xlxs(q_positions, k_positions), s, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(s, axis=-1).astype(v_BxSxGxK.dtype)
@@ -200,18 +202,26 @@ def _zigzag_forward_step(src, rank, q5, k, v, qpos, kpos, m, l, acc):
 
     def earlier(args):
         q5, k, v, qpos, kpos, m, l, acc = args
-        return _block_forward(q5, _halves(k, 1)[0], _halves(v, 1)[0], qpos,
-                              _pos_halves(kpos)[0], m, l, acc)
+        return _block_forward(
+            q5, _halves(k, 1)[0], _halves(v, 1)[0], qpos, _pos_halves(kpos)[0], m, l, acc
+        )
 
     def later(args):
         q5, k, v, qpos, kpos, m, l, acc = args
-        q_hi, m_hi, l_hi, acc_hi = (_halves(q5, 1)[1], _halves(m, 3)[1], _halves(l, 3)[1],
-                                    _halves(acc, 3)[1])
-        m_hi, l_hi, acc_hi = _block_forward(q_hi, k, v, _pos_halves(qpos)[1], kpos,
-                                            m_hi, l_hi, acc_hi)
-        return (jnp.concatenate([_halves(m, 3)[0], m_hi], axis=3),
-                jnp.concatenate([_halves(l, 3)[0], l_hi], axis=3),
-                jnp.concatenate([_halves(acc, 3)[0], acc_hi], axis=3))
+        q_hi, m_hi, l_hi, acc_hi = (
+            _halves(q5, 1)[1],
+            _halves(m, 3)[1],
+            _halves(l, 3)[1],
+            _halves(acc, 3)[1],
+        )
+        m_hi, l_hi, acc_hi = _block_forward(
+            q_hi, k, v, _pos_halves(qpos)[1], kpos, m_hi, l_hi, acc_hi
+        )
+        return (
+            jnp.concatenate([_halves(m, 3)[0], m_hi], axis=3),
+            jnp.concatenate([_halves(l, 3)[0], l_hi], axis=3),
+            jnp.concatenate([_halves(acc, 3)[0], acc_hi], axis=3),
+        )
 
     return jax.lax.cond(src < rank, earlier, later, (q5, k, v, qpos, kpos, m, l, acc))
 
@@ -221,16 +231,24 @@ def _zigzag_backward_step(src, rank, q5, k, v, qpos, kpos, do5, lse, delta):
 
     def earlier(args):
         q5, k, v, qpos, kpos, do5, lse, delta = args
-        dq5, dk_lo, dv_lo = _block_backward(q5, _halves(k, 1)[0], _halves(v, 1)[0], qpos,
-                                            _pos_halves(kpos)[0], do5, lse, delta)
+        dq5, dk_lo, dv_lo = _block_backward(
+            q5, _halves(k, 1)[0], _halves(v, 1)[0], qpos, _pos_halves(kpos)[0], do5, lse, delta
+        )
         zeros = jnp.zeros_like(dk_lo)
         return dq5, jnp.concatenate([dk_lo, zeros], 1), jnp.concatenate([dv_lo, zeros], 1)
 
     def later(args):
         q5, k, v, qpos, kpos, do5, lse, delta = args
-        dq_hi, dk, dv = _block_backward(_halves(q5, 1)[1], k, v, _pos_halves(qpos)[1], kpos,
-                                        _halves(do5, 1)[1], _halves(lse, 3)[1],
-                                        _halves(delta, 3)[1])
+        dq_hi, dk, dv = _block_backward(
+            _halves(q5, 1)[1],
+            k,
+            v,
+            _pos_halves(qpos)[1],
+            kpos,
+            _halves(do5, 1)[1],
+            _halves(lse, 3)[1],
+            _halves(delta, 3)[1],
+        )
         return jnp.concatenate([jnp.zeros_like(dq_hi), dq_hi], 1), dk, dv
 
     return jax.lax.cond(src < rank, earlier, later, (q5, k, v, qpos, kpos, do5, lse, delta))
@@ -238,6 +256,31 @@ def _zigzag_backward_step(src, rank, q5, k, v, qpos, kpos, do5, lse, delta):
 
 def _ring_perm(cp: int) -> list[tuple[int, int]]:
     return [(i, (i + 1) % cp) for i in range(cp)]
+
+
+def _ring_loop(step_fn, block, state, *, axis: str, cp: int):
+    """Runs ``state = step_fn(step, block, state)`` for ``step = 0 .. cp-1``, where
+    ``block`` at step ``s`` came from rank ``rank - s``; ``cp - 1`` ppermutes in all.
+
+    Steps ``1 .. cp-2`` are a ``lax.scan``: a loop keeps at most two K/V blocks and one
+    step's scores live on any backend (an unrolled loop lets XLA's scheduler hoist every
+    hop and every block's maths, i.e. ``O(L)`` K/V and ``O(cp)`` score blocks per rank).
+    Inside one iteration the transfer of the next block is independent of this block's
+    maths, so they can overlap. Step 0 (the diagonal block) and step ``cp-1`` (whose
+    block is not passed on) are peeled, so exactly ``cp - 1`` hops are made.
+    """
+    perm = _ring_perm(cp)
+    nxt = jax.lax.ppermute(block, axis, perm)
+    state = step_fn(0, block, state)
+
+    def body(carry, step):
+        block, state = carry
+        nxt = jax.lax.ppermute(block, axis, perm)
+        return (nxt, step_fn(step, block, state)), None
+
+    if cp > 2:
+        (nxt, state), _ = jax.lax.scan(body, (nxt, state), jnp.arange(1, cp - 1))
+    return step_fn(cp - 1, nxt, state)
 
 
 def _ring_forward_kernel(q, k, v, qpos, kpos, *, axis: str, cp: int, zigzag: bool):
@@ -249,27 +292,25 @@ def _ring_forward_kernel(q, k, v, qpos, kpos, *, axis: str, cp: int, zigzag: boo
     l = jnp.zeros((b, g, h // g, lq), jnp.float32)
     acc = jnp.zeros((b, g, h // g, lq, d), jnp.float32)
     rank = jax.lax.axis_index(axis)
-    block = (k, v, kpos)
-    for step in range(cp):
-        # Issue the next transfer before this block's maths so the two can overlap.
-        nxt = jax.lax.ppermute(block, axis, _ring_perm(cp)) if step < cp - 1 else None
-        if zigzag and step > 0:
+
+    def step_fn(step, block, state):
+        k_s, v_s, kpos_s = block
+        if zigzag and not (isinstance(step, int) and step == 0):
             src = (rank - step) % cp
-            k_s, v_s, kpos_s = block
-            m, l, acc = _zigzag_forward_step(src, rank, q5, k_s, v_s, qpos, kpos_s, m, l, acc)
-        else:
-            m, l, acc = _block_forward(q5, block[0], block[1], qpos, block[2], m, l, acc)
-        block = nxt
+            return _zigzag_forward_step(src, rank, q5, k_s, v_s, qpos, kpos_s, *state)
+        return _block_forward(q5, k_s, v_s, qpos, kpos_s, *state)
+
+    m, l, acc = _ring_loop(step_fn, (k, v, kpos), (m, l, acc), axis=axis, cp=cp)
     out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
     lse = m + jnp.log(l)
     out_bxlxhxk = jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, lq, h, d).astype(q.dtype)
     return out_bxlxhxk, jnp.transpose(lse, (0, 3, 1, 2)).reshape(b, lq, h)
 
 
-def _ring_backward_kernel(q, k, v, qpos, kpos, out, lse, dout, *, axis: str, cp: int,
-                          zigzag: bool):
-    """Per-rank backward: K/V travel the ring as in the forward, followed by their gradient
-    accumulators, which take one extra hop to arrive back at the owner rank."""
+def _ring_backward_kernel(q, k, v, qpos, kpos, out, lse, dout, *, axis: str, cp: int, zigzag: bool):
+    """Per-rank backward: K/V travel the ring as in the forward, and their gradient
+    accumulators travel with them, one hop behind, arriving back at the owner rank after
+    the last step (``cp`` hops)."""
     b, lq, h, d = q.shape
     g = k.shape[2]
     r = h // g
@@ -280,24 +321,25 @@ def _ring_backward_kernel(q, k, v, qpos, kpos, out, lse, dout, *, axis: str, cp:
     lse = jnp.transpose(lse.reshape(b, lq, g, r), (0, 2, 3, 1))
     lse = jnp.where(jnp.isfinite(lse), lse, 0.0)  # rows that see nothing have p == 0
     rank = jax.lax.axis_index(axis)
-    dq5 = jnp.zeros(q5.shape, jnp.float32)
-    dk = jnp.zeros(k.shape, jnp.float32)
-    dv = jnp.zeros(v.shape, jnp.float32)
-    block = (k, v, kpos)
-    for step in range(cp):
-        nxt = jax.lax.ppermute(block, axis, _ring_perm(cp)) if step < cp - 1 else None
-        if zigzag and step > 0:
+    perm = _ring_perm(cp)
+
+    def step_fn(step, block, state):
+        k_s, v_s, kpos_s = block
+        dq5, dk, dv = state
+        if zigzag and not (isinstance(step, int) and step == 0):
             src = (rank - step) % cp
-            k_s, v_s, kpos_s = block
             dq_s, dk_s, dv_s = _zigzag_backward_step(
                 src, rank, q5, k_s, v_s, qpos, kpos_s, do5, lse, delta
             )
         else:
-            dq_s, dk_s, dv_s = _block_backward(q5, block[0], block[1], qpos, block[2], do5,
-                                               lse, delta)
-        dq5 = dq5 + dq_s
-        dk, dv = jax.lax.ppermute((dk + dk_s, dv + dv_s), axis, _ring_perm(cp))
-        block = nxt
+            dq_s, dk_s, dv_s = _block_backward(q5, k_s, v_s, qpos, kpos_s, do5, lse, delta)
+        dk, dv = jax.lax.ppermute((dk + dk_s, dv + dv_s), axis, perm)
+        return dq5 + dq_s, dk, dv
+
+    zeros = lambda x: jnp.zeros(x.shape, jnp.float32)
+    dq5, dk, dv = _ring_loop(
+        step_fn, (k, v, kpos), (zeros(q5), zeros(k), zeros(v)), axis=axis, cp=cp
+    )
     return dq5.reshape(q.shape).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
@@ -332,7 +374,7 @@ def ring_attention(
     *,
     mesh: Mesh | None,
     cp_axis: str = "cp",
-    batch_axes: Sequence[str] = ("dp", "ep"),
+    batch_axes: Sequence[str] | None = ("dp", "ep"),
     head_axis: str | None = "tp",
     impl: Impl = "ring",
     zigzag: bool = False,
@@ -351,7 +393,9 @@ def ring_attention(
         mesh: the module or stage mesh; ``None`` or ``cp == 1`` runs
             :func:`causal_attention` directly (no ``shard_map``; GSPMD shards dp/tp).
         cp_axis: mesh axis that shards the sequence.
-        batch_axes: mesh axes that shard the batch dimension.
+        batch_axes: mesh axes that shard the batch dimension (None: unsharded). Inside
+            ``jax.vmap(..., spmd_axis_name="dp")`` (the executor's per-replica backward)
+            pass the remaining axes only, e.g. ``("ep",)``: vmap adds ``"dp"`` itself.
         head_axis: mesh axis that shards heads (tensor parallelism) or None. If ``G``
             is not a multiple of its size, K/V are repeated to ``H`` heads first.
         impl: ``"ring"`` (ppermute K/V ``cp - 1`` times; ``O(L/cp)`` memory) or
@@ -381,7 +425,7 @@ def ring_attention(
     if cp == 1:
         return causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, positions)
 
-    batch_axes = tuple(batch_axes)
+    batch_axes = tuple(batch_axes or ())
     _check_axes(mesh, (*batch_axes, head_axis), "batch/head")
     n_batch = math.prod(_axis_size(mesh, a) for a in batch_axes)
     tp = _axis_size(mesh, head_axis)
@@ -396,7 +440,8 @@ def ring_attention(
         problems.append(f"{h} query heads over {head_axis}={tp}")
     if problems:
         raise ValueError(
-            "ring_attention: cannot shard " + "; ".join(problems)
+            "ring_attention: cannot shard "
+            + "; ".join(problems)
             + ". Change the layout or pad the arrays."
         )
     if g % tp:
@@ -413,18 +458,30 @@ def ring_attention(
     if impl == "allgather":
         fn = jax.shard_map(
             functools.partial(_allgather_kernel, axis=cp_axis),
-            mesh=mesh, in_specs=in_specs, out_specs=x_spec,
+            mesh=mesh,
+            in_specs=in_specs,
+            out_specs=x_spec,
         )
         return fn(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, positions, positions)
 
     kw = dict(axis=cp_axis, cp=cp, zigzag=zigzag)
+    # check_vma=False: both kernels are differentiated by the custom VJP below, never by
+    # shard_map's transpose, so the varying-axes types serve no purpose here; and under
+    # ``jax.vmap(..., spmd_axis_name="dp")`` (the executor's per-replica backward) the
+    # type check rejects the zigzag ``lax.cond`` mixing dp-batched and unbatched operands.
     fwd = jax.shard_map(
         functools.partial(_ring_forward_kernel, **kw),
-        mesh=mesh, in_specs=in_specs, out_specs=(x_spec, lse_spec),
+        mesh=mesh,
+        in_specs=in_specs,
+        out_specs=(x_spec, lse_spec),
+        check_vma=False,
     )
     bwd = jax.shard_map(
         functools.partial(_ring_backward_kernel, **kw),
-        mesh=mesh, in_specs=(*in_specs, x_spec, lse_spec, x_spec), out_specs=(x_spec,) * 3,
+        mesh=mesh,
+        in_specs=(*in_specs, x_spec, lse_spec, x_spec),
+        out_specs=(x_spec,) * 3,
+        check_vma=False,
     )
 
     @jax.custom_vjp

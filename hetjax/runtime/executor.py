@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hetjax import schedules as hs
+from hetjax.ops.ring_attention import zigzag_permutation
 from hetjax.meshes import Layout, LayoutError, ModuleMesh, place_modules, validate_batch
 from hetjax.runtime.graph import TrainGraph
 from hetjax.runtime.optim import OptimizerConfig
@@ -228,11 +229,14 @@ class Executor:
     def _microbatch(self, batch: Mapping[str, np.ndarray], key: StageKey, m: int):
         prog = self.programs[key]
         size = next(iter(batch.values())).shape[0] // self.microbatches
-        return {
-            k: put_global(batch[k][m * size : (m + 1) * size],
-                          batch_sharding(prog.mesh, batch[k].ndim))
-            for k in prog.batch_keys
-        }
+        out = {}
+        for k in prog.batch_keys:
+            value = batch[k][m * size : (m + 1) * size]
+            seq = k in prog.spec.seq_inputs
+            if seq and prog.spec.layout.cp > 1:  # stored load-balanced, as the model expects
+                value = value[:, zigzag_permutation(value.shape[1], prog.spec.layout.cp)]
+            out[k] = put_global(value, batch_sharding(prog.mesh, value.ndim, sequence=seq))
+        return out
 
     def step(
         self, batch: Mapping[str, np.ndarray], *, profile: bool = False

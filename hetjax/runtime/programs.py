@@ -31,6 +31,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from hetjax.meshes import param_shardings
+from hetjax.ops.context import parallel_context
 from hetjax.runtime.graph import ModuleSpec
 from hetjax.runtime.optim import OptimizerConfig, make_optimizer
 
@@ -38,8 +39,11 @@ BATCH_AXES = ("dp", "ep")  # the batch dimension is split over both
 REPLICA_AXIS = "dp"  # gradients are kept per replica of this axis until the step ends
 
 
-def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
-    """Leading (batch) axis over the data-parallel ranks, everything else replicated."""
+def batch_sharding(mesh: Mesh, ndim: int, *, sequence: bool = False) -> NamedSharding:
+    """Leading (batch) axis over the data-parallel ranks; with ``sequence``, dim 1 over
+    the context-parallel ranks; everything else replicated."""
+    if sequence and ndim >= 2 and mesh.shape["cp"] > 1:
+        return NamedSharding(mesh, P(BATCH_AXES, "cp", *([None] * (ndim - 2))))
     return NamedSharding(mesh, P(BATCH_AXES, *([None] * (ndim - 1))))
 
 
@@ -198,6 +202,10 @@ class StageProgram:
         inside the backward's vmap over data-parallel replicas (the batch axes are the
         vmapped axis there, so sharding constraints must not name them).
         """
+        with parallel_context(self.mesh, batch_axes=self.batch_axes(per_replica)):
+            return self._apply(params, x, batch, per_replica)
+
+    def _apply(self, params, x, batch, per_replica):
         parts = self.spec.parts
         main = parts[0]
         mine = params[main.name]

@@ -30,22 +30,24 @@ class StageTransfer:
         self.src_mesh = module.stage_mesh(stage)
         self.dst_mesh = module.stage_mesh(stage + 1)
         self.boundary = None
+        # Activations between stages are [B, L, D]: batch over dp, sequence over cp.
+        spec = P(BATCH_AXES, "cp") if module.layout.cp > 1 else P(BATCH_AXES)
         if multiprocess:
             self.boundary = Boundary(
-                EdgeSpec(Endpoint.of(module, P(BATCH_AXES), stage=stage),
-                         Endpoint.of(module, P(BATCH_AXES), stage=stage + 1)),
+                EdgeSpec(Endpoint.of(module, spec, stage=stage),
+                         Endpoint.of(module, spec, stage=stage + 1)),
                 transport=MultiProcessTransport(),
             )
 
     def forward(self, x: jax.Array) -> jax.Array:
         if self.boundary is not None:
             return self.boundary.forward(x)
-        return jax.device_put(x, batch_sharding(self.dst_mesh, x.ndim))
+        return jax.device_put(x, batch_sharding(self.dst_mesh, x.ndim, sequence=True))
 
     def backward(self, ct: jax.Array) -> jax.Array:
         if self.boundary is not None:
             return self.boundary.backward(ct)
-        return jax.device_put(ct, batch_sharding(self.src_mesh, ct.ndim))
+        return jax.device_put(ct, batch_sharding(self.src_mesh, ct.ndim, sequence=True))
 
 
 class LinkTransfer:
