@@ -57,8 +57,12 @@ def parse_args(argv: Sequence[str]) -> TrainConfig:
     p.add_argument("--model", default=d.model, help="model preset: tiny, tiny-av, small")
     p.add_argument("--steps", type=positive_int, default=d.steps)
     p.add_argument("--global-batch", type=positive_int, default=d.global_batch)
-    p.add_argument("--microbatches", type=positive_int, default=d.microbatches,
-                   help="pipeline microbatches per global batch")
+    p.add_argument(
+        "--microbatches",
+        type=positive_int,
+        default=d.microbatches,
+        help="pipeline microbatches per global batch",
+    )
     p.add_argument("--seq-len", type=positive_int, default=d.seq_len)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=d.dtype)
     p.add_argument("--seed", type=int, default=d.seed)
@@ -66,27 +70,60 @@ def parse_args(argv: Sequence[str]) -> TrainConfig:
     p.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
     p.add_argument("--weight-decay", type=float, default=d.weight_decay)
     p.add_argument("--clip-norm", type=float, default=d.clip_norm)
-    p.add_argument("--devices", type=positive_int, default=d.devices,
-                   help="simulated CPU devices when there is no GPU (default 8)")
+    p.add_argument(
+        "--devices",
+        type=positive_int,
+        default=d.devices,
+        help="simulated CPU devices when there is no GPU (default 8)",
+    )
     p.add_argument("--metrics", default=d.metrics, help="write per-step metrics (JSON Lines)")
-    p.add_argument("--layout", action="append", default=[], metavar="MODULE:LAYOUT",
-                   help="e.g. vision:dp=8 or llm:dp=2,tp=2,pp=2 (repeatable)")
+    p.add_argument(
+        "--layout",
+        action="append",
+        default=[],
+        metavar="MODULE:LAYOUT",
+        help="e.g. vision:dp=8 or llm:dp=2,tp=2,pp=2 (repeatable)",
+    )
     p.add_argument("--placement", choices=["colocated", "non-colocated"], default=d.placement)
-    p.add_argument("--island", action="append", default=[], metavar="MODULE:N",
-                   help="device count of a module's island, assigned in order (repeatable)")
-    p.add_argument("--homogeneous", action="store_true",
-                   help="baseline: encoders inherit the LLM's layout on its first stage")
+    p.add_argument(
+        "--island",
+        action="append",
+        default=[],
+        metavar="MODULE:N",
+        help="device count of a module's island, assigned in order (repeatable)",
+    )
+    p.add_argument(
+        "--homogeneous",
+        action="store_true",
+        help="baseline: encoders inherit the LLM's layout on its first stage",
+    )
     p.add_argument("--schedule", choices=["1f1b", "gpipe"], default=d.schedule)
-    p.add_argument("--offload-encoder", action="store_true",
-                   help="colocated: encoder params/optimizer state in host memory in phase 2")
-    p.add_argument("--timeline", default=d.timeline, metavar="PATH.png",
-                   help="profile the last step and draw its simulated Gantt chart")
-    p.add_argument("--reference", action="store_true",
-                   help="train with the plain data-parallel reference trainer instead")
-    p.add_argument("--zero1", action="store_true",
-                   help="shard Adam moments over each module's data-parallel ranks")
-    p.add_argument("--sequence-parallel", action="store_true",
-                   help="with tp > 1: activations between TP regions sharded on sequence")
+    p.add_argument(
+        "--offload-encoder",
+        action="store_true",
+        help="colocated: encoder params/optimizer state in host memory in phase 2",
+    )
+    p.add_argument(
+        "--timeline",
+        default=d.timeline,
+        metavar="PATH.png",
+        help="profile the last step and draw its simulated Gantt chart",
+    )
+    p.add_argument(
+        "--reference",
+        action="store_true",
+        help="train with the plain data-parallel reference trainer instead",
+    )
+    p.add_argument(
+        "--zero1",
+        action="store_true",
+        help="shard Adam moments over each module's data-parallel ranks",
+    )
+    p.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="with tp > 1: activations between TP regions sharded on sequence",
+    )
     args = p.parse_args(list(argv))
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
     values["layout"], values["island"] = tuple(args.layout), tuple(args.island)
@@ -160,22 +197,28 @@ def main(config: TrainConfig) -> int:
             hooks.append(hetjax.JsonlWriter(config.metrics))
         hooks.append(hetjax.ProgressBar(config.steps))
         counts = model.num_params()
-        hooks.append(hetjax.Summary({
-            "model": f"{preset.name}: {sum(counts.values()):,} params ("
-                     + ", ".join(f"{k} {v:,}" for k, v in counts.items()) + ")",
-            "devices": f"{len(devices)} x {devices[0].platform}",
-            "layout": layout_text,
-            "batch": f"{config.global_batch} samples x {seq_len} tokens, "
-                     f"{config.microbatches} microbatch(es), {config.dtype}",
-        }))
+        hooks.append(
+            hetjax.Summary(
+                {
+                    "model": f"{preset.name}: {sum(counts.values()):,} params ("
+                    + ", ".join(f"{k} {v:,}" for k, v in counts.items())
+                    + ")",
+                    "devices": f"{len(devices)} x {devices[0].platform}",
+                    "layout": layout_text,
+                    "batch": f"{config.global_batch} samples x {seq_len} tokens, "
+                    f"{config.microbatches} microbatch(es), {config.dtype}",
+                }
+            )
+        )
 
     def step(i: int):
         profile = config.timeline is not None and i == config.steps - 1
         batch = dataset.batch(i, config.global_batch)
         return trainer.step(batch, profile=True) if profile else trainer.step(batch)
 
-    hetjax.run_training(step, config.steps, tokens_per_step=config.global_batch * seq_len,
-                        hooks=hooks)
+    hetjax.run_training(
+        step, config.steps, tokens_per_step=config.global_batch * seq_len, hooks=hooks
+    )
     if config.timeline and jax.process_index() == 0:
         timeline = trainer.timeline()
         timeline.to_png(config.timeline)
@@ -187,16 +230,22 @@ def main(config: TrainConfig) -> int:
 def _reference(config, model, init_params, opt_cfg, devices):
     import hetjax
 
-    for flag, on in (("--timeline", config.timeline), ("--zero1", config.zero1),
-                     ("--sequence-parallel", config.sequence_parallel),
-                     ("--offload-encoder", config.offload_encoder)):
+    for flag, on in (
+        ("--timeline", config.timeline),
+        ("--zero1", config.zero1),
+        ("--sequence-parallel", config.sequence_parallel),
+        ("--offload-encoder", config.offload_encoder),
+    ):
         if on:
             raise ConfigError(f"{flag} is a heterogeneous-executor option; drop --reference")
     hetjax.runtime.check_batch_split(config.global_batch, config.microbatches, len(devices))
     axes = {name: m.logical_axes() for name, m in model.modules.items()}
     trainer = hetjax.ReferenceTrainer(
-        model.loss_sum, init_params(), hetjax.make_optimizer(opt_cfg, logical_axes=axes),
-        devices=devices, microbatches=config.microbatches,
+        model.loss_sum,
+        init_params(),
+        hetjax.make_optimizer(opt_cfg, logical_axes=axes),
+        devices=devices,
+        microbatches=config.microbatches,
     )
     return trainer, f"reference data parallel: dp={len(devices)}"
 
@@ -223,12 +272,18 @@ def _heterogeneous(config, model, init_params, opt_cfg, devices):
     for spec in effective.modules:
         validate_batch(spec.name, spec.layout, config.global_batch, config.microbatches)
     trainer = hetjax.Executor(
-        graph, init_params(), devices=devices, mode=mode,
+        graph,
+        init_params(),
+        devices=devices,
+        mode=mode,
         islands=parse_islands(config.island) if config.island else None,
-        microbatches=config.microbatches, schedule=config.schedule, optimizer=opt_cfg,
+        microbatches=config.microbatches,
+        schedule=config.schedule,
+        optimizer=opt_cfg,
         offload_encoders=config.offload_encoder,
-        options=hetjax.ParallelOptions(zero1=config.zero1,
-                                       sequence_parallel=config.sequence_parallel),
+        options=hetjax.ParallelOptions(
+            zero1=config.zero1, sequence_parallel=config.sequence_parallel
+        ),
     )
     trainer.validate_batch(config.global_batch)
     shown = {spec.name: str(spec.layout) for spec in trainer.graph.modules}

@@ -133,9 +133,7 @@ PRESETS: dict[str, MLLMConfig] = {
     ),
     "small": MLLMConfig(
         "small",
-        llm=LLMConfig(
-            vocab=TOKENIZER_VOCAB, width=512, depth=8, heads=8, kv_heads=4, mlp=1536
-        ),
+        llm=LLMConfig(vocab=TOKENIZER_VOCAB, width=512, depth=8, heads=8, kv_heads=4, mlp=1536),
         vision=EncoderConfig(
             kind="vit", width=384, depth=8, heads=8, mlp=1536, image_size=32, patch=4
         ),

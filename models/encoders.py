@@ -22,8 +22,9 @@ class PatchEmbed(nnx.Module):
 
     def __init__(self, cfg: EncoderConfig, *, rngs: nnx.Rngs, dtype: Any):
         self.cfg = cfg
-        self.proj = Dense(cfg.token_in_dim, cfg.width, axes=(None, "embed"), rngs=rngs,
-                          use_bias=True, dtype=dtype)
+        self.proj = Dense(
+            cfg.token_in_dim, cfg.width, axes=(None, "embed"), rngs=rngs, use_bias=True, dtype=dtype
+        )
         self.pos = normal_param(rngs, (cfg.num_tokens, cfg.width), (None, "embed"))
         self.dtype = dtype
 
@@ -40,8 +41,9 @@ class FrameEmbed(nnx.Module):
 
     def __init__(self, cfg: EncoderConfig, *, rngs: nnx.Rngs, dtype: Any):
         self.cfg = cfg
-        self.proj = Dense(cfg.token_in_dim, cfg.width, axes=(None, "embed"), rngs=rngs,
-                          use_bias=True, dtype=dtype)
+        self.proj = Dense(
+            cfg.token_in_dim, cfg.width, axes=(None, "embed"), rngs=rngs, use_bias=True, dtype=dtype
+        )
         self.pos = normal_param(rngs, (cfg.num_tokens, cfg.width), (None, "embed"))
         self.dtype = dtype
 
@@ -71,10 +73,8 @@ class Projector(nnx.Module):
     """
 
     def __init__(self, d_in: int, d_out: int, *, rngs: nnx.Rngs, dtype: Any):
-        self.fc1 = Dense(d_in, d_out, axes=("embed", "mlp"), rngs=rngs, use_bias=True,
-                         dtype=dtype)
-        self.fc2 = Dense(d_out, d_out, axes=("mlp", "embed"), rngs=rngs, use_bias=True,
-                         dtype=dtype)
+        self.fc1 = Dense(d_in, d_out, axes=("embed", "mlp"), rngs=rngs, use_bias=True, dtype=dtype)
+        self.fc2 = Dense(d_out, d_out, axes=("mlp", "embed"), rngs=rngs, use_bias=True, dtype=dtype)
 
     def __call__(self, x_BxNxE: jax.Array) -> jax.Array:
         return self.fc2(jax.nn.gelu(self.fc1(x_BxNxE)))

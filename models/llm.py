@@ -50,8 +50,9 @@ def merge_modality_tokens(
 class TokenEmbed(nnx.Module):
     """Text embedding (vocabulary-parallel) + modality-token merge."""
 
-    def __init__(self, cfg: LLMConfig, placeholders: Mapping[str, int], *, rngs: nnx.Rngs,
-                 dtype: Any):
+    def __init__(
+        self, cfg: LLMConfig, placeholders: Mapping[str, int], *, rngs: nnx.Rngs, dtype: Any
+    ):
         self.table = normal_param(rngs, (cfg.vocab, cfg.width), ("vocab", "embed"))
         self.placeholders = dict(placeholders)
         self.dtype = dtype
@@ -81,15 +82,18 @@ class LMHeadLoss(nnx.Module):
     def logits(self, h_BxLxD: jax.Array) -> jax.Array:
         return self.head(self.norm(h_BxLxD)).astype(jnp.float32)
 
-    def __call__(self, h_BxLxD: jax.Array, targets_BxL: jax.Array,
-                 mask_BxL: jax.Array) -> jax.Array:
+    def __call__(
+        self, h_BxLxD: jax.Array, targets_BxL: jax.Array, mask_BxL: jax.Array
+    ) -> jax.Array:
         logp_BxLxV = jax.nn.log_softmax(self.logits(h_BxLxD), axis=-1)
         nll_BxL = -jnp.take_along_axis(logp_BxLxV, targets_BxL[..., None], axis=-1)[..., 0]
         return jnp.sum(nll_BxL * mask_BxL.astype(jnp.float32))
 
 
 def make_llm(
-    cfg: LLMConfig, placeholders: Mapping[str, int], dtype: Any = jnp.float32,
+    cfg: LLMConfig,
+    placeholders: Mapping[str, int],
+    dtype: Any = jnp.float32,
     name: str = "llm",
 ) -> StagedModule:
     """The decoder; ``placeholders`` maps modality name (``"image"``) to its token id."""
@@ -97,8 +101,14 @@ def make_llm(
         name,
         pre=lambda rngs: TokenEmbed(cfg, placeholders, rngs=rngs, dtype=dtype),
         block=lambda rngs: DecoderBlock(
-            cfg.width, cfg.heads, cfg.kv_heads, cfg.mlp, rope_theta=cfg.rope_theta,
-            eps=cfg.norm_eps, rngs=rngs, dtype=dtype,
+            cfg.width,
+            cfg.heads,
+            cfg.kv_heads,
+            cfg.mlp,
+            rope_theta=cfg.rope_theta,
+            eps=cfg.norm_eps,
+            rngs=rngs,
+            dtype=dtype,
         ),
         post=lambda rngs: LMHeadLoss(cfg, rngs=rngs, dtype=dtype),
         num_layers=cfg.depth,

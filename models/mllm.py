@@ -98,15 +98,25 @@ class MLLM:
         modules, links = [], []
         for modality in self.modalities:
             enc_name, proj_name, key = MODALITIES[modality]
-            modules.append(ModuleSpec(
-                enc_name, parts=(self.modules[enc_name], self.modules[proj_name]),
-                layout=layouts[enc_name], inputs=(key,),
-            ))
+            modules.append(
+                ModuleSpec(
+                    enc_name,
+                    parts=(self.modules[enc_name], self.modules[proj_name]),
+                    layout=layouts[enc_name],
+                    inputs=(key,),
+                )
+            )
             links.append(Link(enc_name, "llm", modality))
-        modules.append(ModuleSpec(
-            "llm", parts=(self.modules["llm"],), layout=layouts["llm"], inputs=("tokens",),
-            loss_inputs=("targets", "loss_mask"), seq_inputs=("tokens", "targets", "loss_mask"),
-        ))
+        modules.append(
+            ModuleSpec(
+                "llm",
+                parts=(self.modules["llm"],),
+                layout=layouts["llm"],
+                inputs=("tokens",),
+                loss_inputs=("targets", "loss_mask"),
+                seq_inputs=("tokens", "targets", "loss_mask"),
+            )
+        )
         return TrainGraph(tuple(modules), tuple(links))
 
     @property
@@ -122,8 +132,15 @@ class MLLM:
         for name, layout in layouts.items():
             if name == "llm":
                 c = self.config.llm
-                validate_divisible(name, layout, heads=c.heads, kv_heads=c.kv_heads,
-                                   layers=c.depth, mlp=c.mlp, vocab=c.vocab)
+                validate_divisible(
+                    name,
+                    layout,
+                    heads=c.heads,
+                    kv_heads=c.kv_heads,
+                    layers=c.depth,
+                    mlp=c.mlp,
+                    vocab=c.vocab,
+                )
                 if seq_len is not None and layout.cp > 1 and seq_len % (2 * layout.cp):
                     raise LayoutError(
                         f"llm: --seq-len {seq_len} must be divisible by 2*cp = {2 * layout.cp} "

@@ -12,10 +12,10 @@ from .loop import ProgressBar as ProgressBar
 from .loop import Summary as Summary
 from .loop import run_training as run_training
 from .optim import OptimizerConfig as OptimizerConfig
-from .programs import ParallelOptions as ParallelOptions
 from .optim import decay_mask as decay_mask
 from .optim import learning_rate_schedule as learning_rate_schedule
 from .optim import make_optimizer as make_optimizer
+from .programs import ParallelOptions as ParallelOptions
 from .reference import ReferenceTrainer as ReferenceTrainer
 from .reference import check_batch_split as check_batch_split
 from .reference import split_microbatches as split_microbatches

@@ -32,8 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from hetjax import schedules as hs
-from hetjax.ops.ring_attention import zigzag_permutation
 from hetjax.meshes import Layout, LayoutError, ModuleMesh, place_modules, validate_batch
+from hetjax.ops.ring_attention import zigzag_permutation
 from hetjax.runtime.graph import TrainGraph
 from hetjax.runtime.optim import OptimizerConfig
 from hetjax.runtime.programs import ParallelOptions, StageProgram, batch_sharding, put_global
@@ -119,27 +119,30 @@ class Executor:
         self.multiprocess = jax.process_count() > 1
         self.programs: dict[StageKey, StageProgram] = {
             (spec.name, s): StageProgram(
-                spec, s, self.meshes[spec.name].stage_mesh(s),
-                is_sink=spec.name == graph.sink, optimizer=optimizer, options=options,
+                spec,
+                s,
+                self.meshes[spec.name].stage_mesh(s),
+                is_sink=spec.name == graph.sink,
+                optimizer=optimizer,
+                options=options,
             )
             for spec in graph.modules
             for s in range(spec.layout.pp)
         }
         self.params = {k: p.place_params(params) for k, p in self.programs.items()}
-        self.opt_state = {
-            k: p.init_opt_state(self.params[k]) for k, p in self.programs.items()
-        }
+        self.opt_state = {k: p.init_opt_state(self.params[k]) for k, p in self.programs.items()}
         self.links = {
             (l.src, l.dst): LinkTransfer(
-                self.meshes[l.src], self.meshes[l.dst],
-                src_stage=self.graph.module(l.src).layout.pp - 1, dst_stage=0,
+                self.meshes[l.src],
+                self.meshes[l.dst],
+                src_stage=self.graph.module(l.src).layout.pp - 1,
+                dst_stage=0,
                 multiprocess=self.multiprocess,
             )
             for l in graph.links
         }
         self.stage_links = {
-            (spec.name, s): StageTransfer(self.meshes[spec.name], s,
-                                          multiprocess=self.multiprocess)
+            (spec.name, s): StageTransfer(self.meshes[spec.name], s, multiprocess=self.multiprocess)
             for spec in graph.modules
             for s in range(spec.layout.pp - 1)
         }
@@ -184,19 +187,32 @@ class Executor:
             if a.kind in ("F", "B"):
                 ops.append(Op(a.kind, where[a.stage], a.microbatch, phase=a.phase))
             elif a.kind == "SEND_F":
-                ops.append(Op("SEND_F", where[a.edge.src_stage], a.microbatch,
-                              where[a.edge.dst_stage], phase=a.phase))
+                ops.append(
+                    Op(
+                        "SEND_F",
+                        where[a.edge.src_stage],
+                        a.microbatch,
+                        where[a.edge.dst_stage],
+                        phase=a.phase,
+                    )
+                )
             elif a.kind == "SEND_B":
-                ops.append(Op("SEND_B", where[a.edge.dst_stage], a.microbatch,
-                              where[a.edge.src_stage], phase=a.phase))
+                ops.append(
+                    Op(
+                        "SEND_B",
+                        where[a.edge.dst_stage],
+                        a.microbatch,
+                        where[a.edge.src_stage],
+                        phase=a.phase,
+                    )
+                )
         return ops
 
     def _homogeneous_ops(self, name: str) -> list[Op]:
         """The sink's pipeline schedule with each encoder fused into its first stage."""
         sink = self.graph.sink
         pp = self.graph.module(sink).layout.pp
-        sched = (hs.one_f_one_b if name == "1f1b" else hs.gpipe)(pp, self.microbatches,
-                                                                  module=sink)
+        sched = (hs.one_f_one_b if name == "1f1b" else hs.gpipe)(pp, self.microbatches, module=sink)
         hs.check_schedule(sched)
         self.schedule = sched
         self.stage_ids = {(sink, s): s for s in range(pp)}
@@ -280,8 +296,12 @@ class Executor:
                 x = stash.pop((key, m))
                 t0 = time.perf_counter()
                 acc[key], gx, loss = prog.bwd(
-                    self.params[key], acc[key], x, data.pop((key, m)),
-                    grads_in.pop((key, m), None), normalizer,
+                    self.params[key],
+                    acc[key],
+                    x,
+                    data.pop((key, m)),
+                    grads_in.pop((key, m), None),
+                    normalizer,
                 )
                 if profile:
                     jax.block_until_ready((acc[key], gx))
@@ -296,7 +316,8 @@ class Executor:
                 else:
                     link = next(l for l in g.links_into(dst[0]) if l.src == key[0])
                     inbox.setdefault((dst, m), {})[link.name] = self.links[
-                        (key[0], dst[0])].forward(y)
+                        (key[0], dst[0])
+                    ].forward(y)
             elif op.kind == "SEND_B":
                 gx, src = grads_out[(key, m)], op.peer
                 if src[0] == key[0]:
@@ -313,6 +334,7 @@ class Executor:
 
     def _move_encoders(self, memory_kind: str) -> None:
         """Moves encoder parameters and optimiser state to ``memory_kind`` (async copies)."""
+
         def move(tree, shardings):
             if memory_kind != "device":  # back to device: exactly the compiled shardings
                 shardings = jax.tree.map(lambda s: s.with_memory_kind(memory_kind), shardings)
@@ -366,19 +388,25 @@ class Executor:
         param_norms = {}
         for k, p in self.programs.items():
             self.params[k], self.opt_state[k], param_norms[k] = p.update(
-                self.params[k], self.opt_state[k], reduced[k][0],
+                self.params[k],
+                self.opt_state[k],
+                reduced[k][0],
                 put_global(np.float32(global_norm), p.replicated),
             )
         sink_last = (self.graph.sink, self.graph.module(self.graph.sink).layout.pp - 1)
         loss = sum(float(l.addressable_data(0)) for l in losses) if self._owned(sink_last) else 0.0
-        totals = allsum({**{f"sq/{n}": v for n, v in local_sums(param_norms).items()},
-                         "loss": loss})
+        totals = allsum(
+            {**{f"sq/{n}": v for n, v in local_sums(param_norms).items()}, "loss": loss}
+        )
         return {
             "loss": totals["loss"],
             "grad_norm": global_norm,
             **{f"grad_norm/{n}": float(np.sqrt(v)) for n, v in sq.items()},
-            **{f"param_norm/{n[3:]}": float(np.sqrt(v)) for n, v in totals.items()
-               if n.startswith("sq/")},
+            **{
+                f"param_norm/{n[3:]}": float(np.sqrt(v))
+                for n, v in totals.items()
+                if n.startswith("sq/")
+            },
             "supervised_tokens": float(normalizer),
         }
 
@@ -395,7 +423,9 @@ class Executor:
         param_sq = defaultdict(list)
         for k, p in self.programs.items():
             self.params[k], self.opt_state[k], norms = p.update(
-                self.params[k], self.opt_state[k], reduced[k][0],
+                self.params[k],
+                self.opt_state[k],
+                reduced[k][0],
                 jax.device_put(global_norm, p.replicated),
             )
             for name, v in norms.items():
@@ -430,8 +460,7 @@ class Executor:
         out: dict[str, Any] = {}
         for spec in self.graph.modules:
             main = spec.parts[0]
-            stages = [jax.device_get(self.params[(spec.name, s)])
-                      for s in range(spec.layout.pp)]
+            stages = [jax.device_get(self.params[(spec.name, s)]) for s in range(spec.layout.pp)]
             tree = {}
             if "pre" in stages[0][main.name]:
                 tree["pre"] = stages[0][main.name]["pre"]

@@ -14,8 +14,9 @@ Two choices that matter for speed and equality with the reference:
   spmd_axis_name="dp")``, so its parameter gradient has a leading replica axis sharded
   over DP and XLA inserts no all-reduce. (With expert parallelism the ``ep`` ranks of a
   replica exchange tokens inside it, so ``R = dp / ep`` and the gradients of the
-  non-expert weights are summed over ``ep`` within the microbatch.) :meth:`StageProgram.reduce` sums that axis once per step:
-  one DP reduction per parameter per step, whatever the microbatch count.
+  non-expert weights are summed over ``ep`` within the microbatch.)
+  :meth:`StageProgram.reduce` sums that axis once per step: one DP reduction per
+  parameter per step, whatever the microbatch count.
 """
 
 from __future__ import annotations
@@ -162,7 +163,8 @@ class StageProgram:
         if options.zero1:
             self.grad_shardings = jax.tree.map(
                 lambda sh, a: zero1_sharding(sh, a.shape),
-                self.param_shardings, self._abstract_stage(),
+                self.param_shardings,
+                self._abstract_stage(),
             )
         self.reduce = jax.jit(self._reduce, out_shardings=(self.grad_shardings, None))
         # Optimiser moments are sharded like their gradients; counters are replicated.
@@ -193,7 +195,11 @@ class StageProgram:
     # -- the stage function -------------------------------------------------------------
 
     def apply(
-        self, params: dict[str, Any], x: Any, batch: dict[str, jax.Array], *,
+        self,
+        params: dict[str, Any],
+        x: Any,
+        batch: dict[str, jax.Array],
+        *,
         per_replica: bool = False,
     ) -> jax.Array:
         """Stage forward; ``x`` is ``{link name: tokens}`` on a first stage, else an array.
@@ -217,7 +223,10 @@ class StageProgram:
         if "blocks" in mine:
             start, stop = self.spec.stage_layers(self.stage)
             h = main.apply_blocks(
-                mine["blocks"], h, start=start, stop=stop,
+                mine["blocks"],
+                h,
+                start=start,
+                stop=stop,
                 carry_sharding=self._carry_sharding(h, batch_axes=self.batch_axes(per_replica)),
             )
         if not self.last:
@@ -295,8 +304,9 @@ class StageProgram:
     def _update(self, params, opt_state, grads, global_norm):
         if self.clip_norm > 0:  # optax.clip_by_global_norm, with the norm of ALL stages
             grads = jax.tree.map(
-                lambda g: jnp.where(global_norm < self.clip_norm, g,
-                                    g / global_norm * self.clip_norm),
+                lambda g: jnp.where(
+                    global_norm < self.clip_norm, g, g / global_norm * self.clip_norm
+                ),
                 grads,
             )
         updates, opt_state = self.optimizer.update(grads, opt_state, params)

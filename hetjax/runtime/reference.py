@@ -32,7 +32,7 @@ def tree_norms(tree: Mapping[str, Any], prefix: str) -> dict[str, jax.Array]:
 
 
 def split_microbatches(batch: Batch, microbatches: int) -> Batch:
-    """``[B, ...]`` -> ``[M, B / M, ...]``; microbatch ``m`` holds samples ``[m*B/M, (m+1)*B/M)``."""
+    """``[B, ...]`` -> ``[M, B / M, ...]``; microbatch ``m`` is samples ``[m*B/M, (m+1)*B/M)``."""
     return {
         k: v.reshape(microbatches, v.shape[0] // microbatches, *v.shape[1:])
         for k, v in batch.items()

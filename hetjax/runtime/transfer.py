@@ -34,8 +34,10 @@ class StageTransfer:
         spec = P(BATCH_AXES, "cp") if module.layout.cp > 1 else P(BATCH_AXES)
         if multiprocess:
             self.boundary = Boundary(
-                EdgeSpec(Endpoint.of(module, spec, stage=stage),
-                         Endpoint.of(module, spec, stage=stage + 1)),
+                EdgeSpec(
+                    Endpoint.of(module, spec, stage=stage),
+                    Endpoint.of(module, spec, stage=stage + 1),
+                ),
                 transport=MultiProcessTransport(),
             )
 
@@ -54,7 +56,12 @@ class LinkTransfer:
     """The boundary communicator of one module link (``src`` last stage -> ``dst`` stage 0)."""
 
     def __init__(
-        self, src: ModuleMesh, dst: ModuleMesh, *, src_stage: int, dst_stage: int,
+        self,
+        src: ModuleMesh,
+        dst: ModuleMesh,
+        *,
+        src_stage: int,
+        dst_stage: int,
         multiprocess: bool = False,
     ):
         source = Endpoint.source(src, stage=src_stage)
