@@ -183,7 +183,9 @@ class DecoderBlock(nnx.Module):
         k = apply_rope(self.k(h).reshape(b, l, self.kv_heads, kd), positions_L, self.rope_theta)
         v = self.v(h).reshape(b, l, self.kv_heads, kd)
         if ctx is not None and ctx.cp > 1:
-            a = ring_attention(q, k, v, positions_L, mesh=ctx.mesh, batch_axes=ctx.batch_axes)
+            a = ring_attention(
+                q, k, v, positions_L, mesh=ctx.mesh, batch_axes=ctx.batch_axes, zigzag=True
+            )
         else:
             a = attention(q, k, v, causal=True)
         a = a.reshape(b, l, self.heads * kd)
