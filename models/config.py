@@ -4,6 +4,8 @@ Presets:
     tiny      - tests; every head / kv-head / MLP / layer count divisible by 4 (TP, PP <= 4).
     small     - tens of millions of parameters, still trains on a laptop CPU.
     tiny-av   - tiny with an image AND an audio encoder feeding the LLM.
+    tiny-moe  - tiny with a mixture-of-experts LLM (8 experts, top-2, dropless).
+    tiny-moe-enc - tiny with a mixture-of-experts vision encoder.
 Shape-only presets at the paper's scale (``vit-1b`` ... ``llm-120b``) carry parameter
 counts and FLOPs per token for planning; they are never instantiated on CPU.
 """
@@ -12,6 +14,19 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Literal
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """A mixture-of-experts FFN: ``num_experts`` SwiGLU experts of the block's MLP width."""
+
+    num_experts: int  # experts per MoE layer (split over the module's ep ranks)
+    top_k: int = 2  # experts per token (1 or 2)
+    capacity_factor: float | None = None  # slots per expert vs an even split; None: dropless
+    aux_weight: float = 0.01  # load-balancing loss weight (per-sample loss, summed)
+
+    def num_params(self, width: int, mlp: int) -> int:
+        return width * self.num_experts + 3 * self.num_experts * width * mlp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +44,7 @@ class EncoderConfig:
     frames: int = 32  # audio: input frames per clip
     frame_dim: int = 16  # audio: features per frame
     frame_stack: int = 2  # audio: consecutive frames merged into one token
+    moe: MoEConfig | None = None  # mixture-of-experts MLP (SwiGLU experts) instead of GELU
 
     @property
     def num_tokens(self) -> int:
@@ -46,7 +62,8 @@ class EncoderConfig:
 
     def num_params(self) -> int:
         d, f = self.width, self.mlp
-        block = 4 * d * d + 2 * d * f + f + 4 * d  # qkv+out, MLP (+up bias), 2 LayerNorms
+        mlp = self.moe.num_params(d, f) if self.moe else 2 * d * f + f  # (+up bias)
+        block = 4 * d * d + mlp + 4 * d  # qkv+out, MLP, 2 LayerNorms
         return self.token_in_dim * d + d + self.num_tokens * d + self.depth * block + 2 * d
 
     def flops_per_token(self) -> int:
@@ -69,6 +86,7 @@ class LLMConfig:
     mlp: int
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    moe: MoEConfig | None = None  # mixture-of-experts FFN instead of the dense SwiGLU
 
     @property
     def head_dim(self) -> int:
@@ -77,7 +95,8 @@ class LLMConfig:
     def num_params(self) -> int:
         d, k = self.width, self.head_dim
         attn = d * self.heads * k * 2 + d * self.kv_heads * k * 2
-        block = attn + 3 * d * self.mlp + 2 * d
+        mlp = self.moe.num_params(d, self.mlp) if self.moe else 3 * d * self.mlp
+        block = attn + mlp + 2 * d
         return 2 * self.vocab * d + self.depth * block + d
 
     def flops_per_token(self, seq_len: int) -> int:
@@ -126,7 +145,15 @@ _TINY_LLM = LLMConfig(vocab=TOKENIZER_VOCAB, width=64, depth=4, heads=8, kv_head
 _TINY_VIT = EncoderConfig(kind="vit", width=32, depth=4, heads=4, mlp=64)
 _TINY_AUDIO = EncoderConfig(kind="audio", width=32, depth=4, heads=4, mlp=64)
 
+_TINY_MOE = MoEConfig(num_experts=8, top_k=2, capacity_factor=None)
+
 PRESETS: dict[str, MLLMConfig] = {
+    "tiny-moe": MLLMConfig(
+        "tiny-moe", llm=dataclasses.replace(_TINY_LLM, moe=_TINY_MOE), vision=_TINY_VIT
+    ),
+    "tiny-moe-enc": MLLMConfig(
+        "tiny-moe-enc", llm=_TINY_LLM, vision=dataclasses.replace(_TINY_VIT, moe=_TINY_MOE)
+    ),
     "tiny": MLLMConfig("tiny", llm=_TINY_LLM, vision=_TINY_VIT, seq_len=64),
     "tiny-av": MLLMConfig(
         "tiny-av", llm=_TINY_LLM, vision=_TINY_VIT, audio=_TINY_AUDIO, seq_len=96

@@ -60,7 +60,9 @@ def make_encoder(name: str, cfg: EncoderConfig, dtype: Any = jnp.float32) -> Sta
     return StagedModule(
         name,
         pre=lambda rngs: embed_cls(cfg, rngs=rngs, dtype=dtype),
-        block=lambda rngs: EncoderBlock(cfg.width, cfg.heads, cfg.mlp, rngs=rngs, dtype=dtype),
+        block=lambda rngs: EncoderBlock(
+            cfg.width, cfg.heads, cfg.mlp, rngs=rngs, dtype=dtype, moe=cfg.moe
+        ),
         post=lambda rngs: LayerNorm(cfg.width, dtype=dtype),
         num_layers=cfg.depth,
     )

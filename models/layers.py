@@ -20,7 +20,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hetjax.ops import context as parallel
+from hetjax.ops.aux_loss import attach_aux_loss, load_balance_loss_per_sample
+from hetjax.ops.moe import MoEFFN
 from hetjax.ops.ring_attention import ring_attention
+from models.config import MoEConfig
 
 Axes = tuple[str | None, ...]
 INIT_STD = 0.02
@@ -121,17 +124,59 @@ def attention(
     return out.reshape(b, l, h, k)
 
 
+class MoEMLP(nnx.Module):
+    """Mixture-of-experts MLP; experts split over the stage's ``ep`` ranks (all-to-all).
+
+    Its load-balancing loss is computed per sample and attached to the gradients (see
+    ``hetjax.ops.aux_loss``), so results do not depend on the batch split.
+    """
+
+    def __init__(self, width: int, mlp: int, cfg: MoEConfig, *, rngs: nnx.Rngs, dtype: Any):
+        self.cfg = cfg
+        self.ffn = MoEFFN(
+            width,
+            mlp,
+            cfg.num_experts,
+            top_k=cfg.top_k,
+            capacity_factor=cfg.capacity_factor,
+            rngs=rngs,
+            dtype=dtype,
+        )
+
+    def __call__(self, h_BxLxD: jax.Array) -> jax.Array:
+        ctx = parallel.current()
+        if ctx is not None and ctx.ep > 1:
+            y, _ = self.ffn(h_BxLxD, mesh=ctx.mesh, batch_axes=ctx.batch_axes)
+        else:
+            y, _ = self.ffn(h_BxLxD)
+        aux = load_balance_loss_per_sample(h_BxLxD, self.ffn.router[...], self.cfg.top_k)
+        return attach_aux_loss(y.astype(h_BxLxD.dtype), self.cfg.aux_weight * jnp.sum(aux))
+
+
 class EncoderBlock(nnx.Module):
     """Pre-norm ViT block: LayerNorm -> bidirectional MHA -> LayerNorm -> GELU MLP."""
 
-    def __init__(self, width: int, heads: int, mlp: int, *, rngs: nnx.Rngs, dtype: Any):
+    def __init__(
+        self,
+        width: int,
+        heads: int,
+        mlp: int,
+        *,
+        rngs: nnx.Rngs,
+        dtype: Any,
+        moe: MoEConfig | None = None,
+    ):
         self.heads = heads
         self.norm1 = LayerNorm(width, dtype=dtype)
         self.qkv = Dense(width, 3 * width, axes=("embed", "heads"), rngs=rngs, dtype=dtype)
         self.out = Dense(width, width, axes=("heads", "embed"), rngs=rngs, dtype=dtype)
         self.norm2 = LayerNorm(width, dtype=dtype)
-        self.up = Dense(width, mlp, axes=("embed", "mlp"), rngs=rngs, use_bias=True, dtype=dtype)
-        self.down = Dense(mlp, width, axes=("mlp", "embed"), rngs=rngs, dtype=dtype)
+        self.moe = MoEMLP(width, mlp, moe, rngs=rngs, dtype=dtype) if moe else None
+        if moe is None:
+            self.up = Dense(
+                width, mlp, axes=("embed", "mlp"), rngs=rngs, use_bias=True, dtype=dtype
+            )
+            self.down = Dense(mlp, width, axes=("mlp", "embed"), rngs=rngs, dtype=dtype)
 
     def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
         b, l, d = x_BxLxD.shape
@@ -140,7 +185,10 @@ class EncoderBlock(nnx.Module):
         q, k, v = qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]
         a = attention(q, k, v, causal=False).reshape(b, l, d)
         x_BxLxD = x_BxLxD + self.out(a)
-        return x_BxLxD + self.down(jax.nn.gelu(self.up(self.norm2(x_BxLxD))))
+        h = self.norm2(x_BxLxD)
+        if self.moe is not None:
+            return x_BxLxD + self.moe(h)
+        return x_BxLxD + self.down(jax.nn.gelu(self.up(h)))
 
 
 class DecoderBlock(nnx.Module):
@@ -157,6 +205,7 @@ class DecoderBlock(nnx.Module):
         eps: float,
         rngs: nnx.Rngs,
         dtype: Any,
+        moe: MoEConfig | None = None,
     ):
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, width // heads
         self.rope_theta = rope_theta
@@ -167,9 +216,11 @@ class DecoderBlock(nnx.Module):
         self.v = Dense(width, kv_heads * kd, axes=("embed", "kv_heads"), rngs=rngs, dtype=dtype)
         self.o = Dense(heads * kd, width, axes=("heads", "embed"), rngs=rngs, dtype=dtype)
         self.mlp_norm = RMSNorm(width, eps=eps, dtype=dtype)
-        self.gate = Dense(width, mlp, axes=("embed", "mlp"), rngs=rngs, dtype=dtype)
-        self.up = Dense(width, mlp, axes=("embed", "mlp"), rngs=rngs, dtype=dtype)
-        self.down = Dense(mlp, width, axes=("mlp", "embed"), rngs=rngs, dtype=dtype)
+        self.moe = MoEMLP(width, mlp, moe, rngs=rngs, dtype=dtype) if moe else None
+        if moe is None:
+            self.gate = Dense(width, mlp, axes=("embed", "mlp"), rngs=rngs, dtype=dtype)
+            self.up = Dense(width, mlp, axes=("embed", "mlp"), rngs=rngs, dtype=dtype)
+            self.down = Dense(mlp, width, axes=("mlp", "embed"), rngs=rngs, dtype=dtype)
 
     def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
         b, l, _ = x_BxLxD.shape
@@ -191,4 +242,6 @@ class DecoderBlock(nnx.Module):
         a = a.reshape(b, l, self.heads * kd)
         x_BxLxD = x_BxLxD + self.o(a)
         h = self.mlp_norm(x_BxLxD)
+        if self.moe is not None:
+            return x_BxLxD + self.moe(h)
         return x_BxLxD + self.down(jax.nn.silu(self.gate(h)) * self.up(h))

@@ -109,6 +109,7 @@ def make_llm(
             eps=cfg.norm_eps,
             rngs=rngs,
             dtype=dtype,
+            moe=cfg.moe,
         ),
         post=lambda rngs: LMHeadLoss(cfg, rngs=rngs, dtype=dtype),
         num_layers=cfg.depth,

@@ -149,4 +149,11 @@ class MLLM:
                     )
             else:
                 c = self.config.encoders[name]
-                validate_divisible(name, layout, heads=c.heads, layers=c.depth, mlp=c.mlp)
+                validate_divisible(
+                    name,
+                    layout,
+                    heads=c.heads,
+                    layers=c.depth,
+                    mlp=c.mlp,
+                    experts=c.moe.num_experts if c.moe else None,
+                )

@@ -14,6 +14,7 @@ import contextlib
 import contextvars
 import dataclasses
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 from jax.sharding import Mesh
@@ -27,8 +28,9 @@ _CURRENT: contextvars.ContextVar[ParallelContext | None] = contextvars.ContextVa
 class ParallelContext:
     """Mesh facts for the stage being traced."""
 
-    mesh: Mesh  # the stage's submesh (axes dp, ep, cp, tp)
+    mesh: Mesh | None  # the stage's submesh (axes dp, ep, cp, tp); None: no mesh ops
     batch_axes: tuple[str, ...] | None  # mesh axes the batch dim is split over here
+    loss_scale: Any = None  # d(loss)/d(summed loss): 1 / global supervised-token count
 
     def positions(self, seq_len: int) -> np.ndarray:
         """Original position of each stored sequence element. With ``cp > 1`` sequences
@@ -39,25 +41,28 @@ class ParallelContext:
 
         return zigzag_permutation(seq_len, self.cp)
 
+    def _size(self, axis: str) -> int:
+        return 1 if self.mesh is None else self.mesh.shape[axis]
+
     @property
     def cp(self) -> int:
-        return self.mesh.shape["cp"]
+        return self._size("cp")
 
     @property
     def ep(self) -> int:
-        return self.mesh.shape["ep"]
+        return self._size("ep")
 
     @property
     def tp(self) -> int:
-        return self.mesh.shape["tp"]
+        return self._size("tp")
 
 
 @contextlib.contextmanager
 def parallel_context(
-    mesh: Mesh, *, batch_axes: tuple[str, ...] | None
+    mesh: Mesh | None, *, batch_axes: tuple[str, ...] | None, loss_scale: Any = None
 ) -> Iterator[ParallelContext]:
-    """Makes ``ParallelContext(mesh, batch_axes)`` current while tracing a stage."""
-    ctx = ParallelContext(mesh, batch_axes)
+    """Makes ``ParallelContext(mesh, batch_axes, loss_scale)`` current while tracing."""
+    ctx = ParallelContext(mesh, batch_axes, loss_scale)
     token = _CURRENT.set(ctx)
     try:
         yield ctx

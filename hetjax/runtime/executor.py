@@ -52,6 +52,7 @@ class Op:
     microbatch: int
     peer: StageKey | None = None  # for sends: the receiving stage
     phase: int = 0  # three-phase: 0 encoder forward, 1 LLM pipeline, 2 encoder backward
+    last_send: bool = True  # sends: no later send of this step reads the same output
 
 
 def homogeneous_graph(graph: TrainGraph) -> TrainGraph:
@@ -146,7 +147,7 @@ class Executor:
             for spec in graph.modules
             for s in range(spec.layout.pp - 1)
         }
-        self.ops = self._build_ops(schedule)
+        self.ops = mark_last_sends(self._build_ops(schedule))
         self.op_times: dict[tuple[str, StageKey], list[float]] = defaultdict(list)
 
     # -- set-up -------------------------------------------------------------------------
@@ -308,9 +309,12 @@ class Executor:
                     self.op_times[("B", key)].append(time.perf_counter() - t0)
                 if prog.is_sink and prog.last:
                     losses.append(loss)
-                grads_out[(key, m)] = gx
+                if not (prog.first and not g.links_into(key[0])):  # sources send nothing back
+                    grads_out[(key, m)] = gx
             elif op.kind == "SEND_F":
-                y, dst = outbox[(key, m)], op.peer
+                # Free the output after its last send, so live activations follow the
+                # schedule's bound (1F1B: one per in-flight microbatch), not M.
+                y, dst = (outbox.pop if op.last_send else outbox.get)((key, m)), op.peer
                 if dst[0] == key[0]:
                     inbox[(dst, m)] = self.stage_links[key].forward(y)
                 else:
@@ -319,7 +323,7 @@ class Executor:
                         (key[0], dst[0])
                     ].forward(y)
             elif op.kind == "SEND_B":
-                gx, src = grads_out[(key, m)], op.peer
+                gx, src = (grads_out.pop if op.last_send else grads_out.get)((key, m)), op.peer
                 if src[0] == key[0]:
                     g_src = self.stage_links[src].backward(gx)
                 else:
@@ -474,6 +478,19 @@ class Executor:
             for part in spec.parts[1:]:
                 out[part.name] = stages[-1][part.name]
         return out
+
+
+def mark_last_sends(ops: list[Op]) -> list[Op]:
+    """Marks each send that is the last one of its step reading its stage's output."""
+    seen: set[tuple[str, StageKey, int]] = set()
+    out = []
+    for op in reversed(ops):
+        if op.kind in ("SEND_F", "SEND_B"):
+            key = (op.kind, op.stage, op.microbatch)
+            op = dataclasses.replace(op, last_send=key not in seen)
+            seen.add(key)
+        out.append(op)
+    return out[::-1]
 
 
 def island_positions(

@@ -201,14 +201,18 @@ class StageProgram:
         batch: dict[str, jax.Array],
         *,
         per_replica: bool = False,
+        loss_scale: Any = None,
     ) -> jax.Array:
         """Stage forward; ``x`` is ``{link name: tokens}`` on a first stage, else an array.
 
         On the sink's last stage the result is the SUMMED loss. ``per_replica``: called
         inside the backward's vmap over data-parallel replicas (the batch axes are the
-        vmapped axis there, so sharding constraints must not name them).
+        vmapped axis there, so sharding constraints must not name them). ``loss_scale``:
+        d(loss)/d(summed loss), for auxiliary losses inside blocks (MoE balancing).
         """
-        with parallel_context(self.mesh, batch_axes=self.batch_axes(per_replica)):
+        with parallel_context(
+            self.mesh, batch_axes=self.batch_axes(per_replica), loss_scale=loss_scale
+        ):
             return self._apply(params, x, batch, per_replica)
 
     def _apply(self, params, x, batch, per_replica):
@@ -272,7 +276,7 @@ class StageProgram:
 
         def per_replica(x_r, batch_r, g_r):
             def f(p, xx):
-                y = self.apply(p, xx, batch_r, per_replica=True)
+                y = self.apply(p, xx, batch_r, per_replica=True, loss_scale=1.0 / normalizer)
                 return y / normalizer if self.is_sink and self.last else y
 
             y, vjp = jax.vjp(f, params, x_r)

@@ -22,6 +22,8 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from hetjax.ops.context import parallel_context
+
 Batch = Mapping[str, jax.Array]
 LossSumFn = Callable[[Any, Batch], jax.Array]
 
@@ -88,7 +90,13 @@ class ReferenceTrainer:
 
         def train_step(params, opt_state, batch_MxB):
             normalizer = jnp.maximum(jnp.sum(batch_MxB[mask_key]), 1.0)
-            grad_fn = jax.value_and_grad(lambda p, mb: loss_sum_fn(p, mb) / normalizer)
+
+            def loss_fn(p, mb):
+                # Aux losses inside blocks (MoE balancing) take their gradient scale here.
+                with parallel_context(None, batch_axes=None, loss_scale=1.0 / normalizer):
+                    return loss_sum_fn(p, mb) / normalizer
+
+            grad_fn = jax.value_and_grad(loss_fn)
 
             def accumulate(carry, mb):
                 loss, grads = carry

@@ -1,0 +1,799 @@
+"""Benchmark the heterogeneous executor: compiles, DP reductions, memory, bubble, dispatch.
+
+    python -m experiments.bench_executor --json out.json [--png-dir DIR] [--quick]
+
+Each row is one :class:`hetjax.Executor` with ``--devices`` simulated CPU devices (8 by
+default) for a layout in one of three placements and a microbatch count M: colocated
+(vision ``dp=8``, LLM ``dp=2,tp=2,pp=2``; the three-phase schedule, whose LLM phase is
+1F1B), non-colocated (vision ``dp=4`` | LLM ``dp=2,pp=2`` on islands 4 + 4) and the
+homogeneous baseline of ``dp=2,tp=2,pp=2``, the last two under 1F1B and GPipe, each for M
+in {2, 4, 8}. Layouts scale with ``--devices`` (a multiple of 4). The model is the
+``tiny`` preset; ``--quick`` (for the test) runs only the non-colocated rows with M in
+{2, 4} on ``nano``, tiny shrunk to negligible compute. A microbatch always holds
+``--microbatch-size`` samples (default: one per device; global batch = M x that), so the
+rows of one layout share their programs: the run keeps a persistent compilation cache in
+a temporary directory, which turns later compiles of an identical program into loads.
+
+How each figure is measured, and its limits:
+
+- ``step_time_s``: median wall time of steps 2..``--steps``, each waited for in full
+  (loss and updated parameters). Other processes on the machine show up in it.
+- ``compiles_after_step1`` / ``compiles_after_step5``: ``jax.monitoring`` backend-compile
+  events, cumulative from the start of the executor's construction. An executable loaded
+  from the persistent cache counts too (the event wraps compile-or-load), so equal counts
+  mean no program was rebuilt for steps 2-5.
+- ``dp_reductions_per_param_per_step``: every stage's ``bwd`` and ``reduce`` are lowered
+  with the argument shapes and shardings captured in step 1 and compiled. In the HLO an
+  all-reduce is a DP reduction when one of its replica groups spans devices with
+  different ``(dp, ep)`` coordinates of the stage mesh (TP all-reduces of activations are
+  not); its operands shaped like a parameter shard are reductions of that parameter,
+  weighted by runs per step (``bwd`` M times, ``reduce`` once) and divided by the number
+  of parameters with that shard shape. The row shows the largest value over parameters
+  (``dp_reductions_min`` the smallest); stages with ``dp=1`` need none and are left out.
+  Limits: counts are static (an all-reduce inside a loop body counts once - but any DP
+  parameter reduction in ``bwd`` already fails the check), and a reduction XLA flattened
+  into a differently shaped buffer would be missed (it then shows as 0 and fails).
+- ``peak_activation_bytes_per_stage``: one step with ``fwd``/``bwd`` wrapped by a sampler
+  that reads ``jax.live_arrays()`` before each ``fwd``/``bwd`` and after each. The stage
+  inputs a ``bwd`` receives (``x`` and the microbatch data: the executor's stash) are
+  attributed to their schedule stage from their F (the ``fwd`` call that got them; on
+  the loss stage, whose F only stashes, the first sample holding the microbatch data the
+  executor places at F) to their B; the figure is the peak over samples of those arrays'
+  live bytes, summed over the stage's devices (replicas included). Samples are taken only
+  at program calls. The bound 1F1B <= (P - s) / M x GPipe is checked per stage against
+  the GPipe row of the same layout and M, s being the stage's depth on the longest path
+  and P that path's stage count. ``peak_live_bytes_per_stage`` is the broader figure:
+  every array created during the step and live on the stage's devices except gradient
+  accumulators (forward outputs, cotangents, transfer copies, microbatch data; colocated
+  stages share devices, so it mixes their arrays). It is not held to the bound.
+- ``bubble_measured``: one unprofiled step with a watcher thread per stage that waits for
+  each F/B's inputs, then its output: the op runs from max(dispatch, inputs seen ready) to
+  output seen ready; per stage ``1 - busy / window``, the window from the first op's
+  start to the last op's end (F/B only, as in the simulator). Eight simulated devices and
+  the host share this machine's cores, so stages compete for CPU and the figure is
+  informative, not a bar. ``bubble_measured_profiled``: ``ex.op_times`` of a
+  ``profile=True`` step summed per stage over that step's wall time; that step waits for
+  every op, so stages never overlap and it is pessimistic by construction.
+  ``bubble_simulated`` is ``ex.timeline().bubble`` (the schedule simulated with the
+  profiled mean durations).
+- ``dispatch_overhead_ratio``: the median steady-state step (of ``DISPATCH_STEPS``) of an
+  executor with the row's layout, schedule and M on the ``nano`` model with the shortest
+  valid sequence, over the same for :class:`hetjax.ReferenceTrainer` - one fused jit of
+  the same step (same model, batch, M and devices). ``dispatch_step_time_s``,
+  ``dispatch_host_time_s`` (until ``step`` returns) and ``fused_step_time_s`` are kept.
+  Limit: on simulated CPU devices the fused step is not free either (its per-microbatch
+  gradient all-reduce across 8 device threads costs milliseconds), so the ratio compares
+  two small costs and varies with machine load.
+
+Exits non-zero when a "done when" condition fails: compiles grew between step 1 and 5, a
+parameter is not DP-reduced exactly once per step, or 1F1B breaks the activation bound.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import json
+import math
+import os
+import pathlib
+import queue
+import re
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from collections import Counter
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+WRAPPED = ("fwd", "bwd", "zeros", "reduce")  # the StageProgram attributes the shims replace
+REPLICA_AXES = ("dp", "ep")  # mesh axes over which a stage's parameters are replicated
+DISPATCH_STEPS = 10  # steps of the nano executor and the fused reference (first compiles)
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One executor configuration to measure."""
+
+    layouts: dict[str, str]  # module -> layout text
+    placement: str  # colocated, non-colocated, homogeneous
+    schedule: str  # requested: 1f1b or gpipe (colocated: three-phase, LLM phase 1F1B)
+    microbatches: int  # M
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+    """What to measure; flags map one-to-one onto these fields."""
+
+    json: str | None = None  # where to write the rows (a JSON list); None: print only
+    png_dir: str | None = None  # directory for each row's simulated Gantt chart
+    devices: int = 8  # simulated CPU devices (a multiple of 4; layouts scale with it)
+    steps: int = 5  # timed steps per row (>= 5: compiles are read after steps 1 and 5)
+    microbatch_size: int | None = None  # samples per microbatch (None: --devices)
+    seq_len: int | None = None  # tokens per sample (None: the model's)
+    model: str = "tiny"  # tiny (the preset) or nano (negligible compute)
+    quick: bool = False  # nano model, non-colocated layout only, M in {2, 4} (for the test)
+
+
+def make_rows(n: int, quick: bool) -> list[Row]:
+    """The layouts of the issue, scaled from 8 devices to ``n`` (a multiple of 4)."""
+    llm_tp = f"dp={n // 4},tp=2,pp=2"
+    colocated = {"vision": f"dp={n}", "llm": llm_tp}
+    islands = {"vision": f"dp={n // 2}", "llm": f"dp={n // 4},pp=2"}
+    # The executor gives the encoder the LLM's layout without PP (stock Megatron).
+    homogeneous = {"vision": f"dp={n // 4},tp=2", "llm": llm_tp}
+    if quick:
+        return [Row(islands, "non-colocated", s, m) for m in (2, 4) for s in ("1f1b", "gpipe")]
+    rows = [Row(colocated, "colocated", "1f1b", m) for m in (2, 4, 8)]
+    for layouts, placement in ((islands, "non-colocated"), (homogeneous, "homogeneous")):
+        rows += [Row(layouts, placement, s, m) for m in (2, 4, 8) for s in ("1f1b", "gpipe")]
+    return rows
+
+
+# -- compile counting -----------------------------------------------------------------------
+
+
+class CompileCounter:
+    """Counts backend compiles (fresh or loaded from the persistent cache)."""
+
+    EVENT = "/jax/core/compile/backend_compile_duration"
+
+    def __init__(self):
+        import jax
+
+        self.count = 0
+        jax.monitoring.register_event_duration_secs_listener(self._on_event)
+
+    def _on_event(self, event: str, duration: float, **kwargs) -> None:
+        if event == self.EVENT:
+            self.count += 1
+
+
+# -- program shims --------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def wrapped_programs(ex, make: Callable[[tuple, str, Callable], Callable]) -> Iterator[None]:
+    """Replaces ``fwd``/``bwd``/``zeros``/``reduce`` of every stage by ``make(key, name,
+    original)`` on the program objects of this process only; restores them on exit."""
+    originals = {(k, n): getattr(p, n) for k, p in ex.programs.items() for n in WRAPPED}
+    try:
+        for (key, name), fn in originals.items():
+            setattr(ex.programs[key], name, make(key, name, fn))
+        yield
+    finally:
+        for (key, name), fn in originals.items():
+            setattr(ex.programs[key], name, fn)
+
+
+def abstract(tree):
+    """Arrays -> ``ShapeDtypeStruct`` with their sharding (uncommitted: none)."""
+    import jax
+
+    def one(a):
+        if not isinstance(a, jax.Array):
+            return a
+        sharding = a.sharding if getattr(a, "committed", True) else None
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
+
+    return jax.tree.map(one, tree)
+
+
+def capture_args(ex) -> tuple[dict, Callable]:
+    """A shim factory recording each program's first arguments as abstract values."""
+    captured: dict[tuple, tuple] = {}
+
+    def make(key, name, fn):
+        def shim(*args):
+            captured.setdefault((key, name), (fn, abstract(args)))
+            return fn(*args)
+
+        return shim
+
+    return captured, make
+
+
+# -- DP reductions from the compiled HLO -----------------------------------------------------
+
+_ALL_REDUCE = re.compile(r"=\s*(.*?)\s+all-reduce(?:-start)?\(")
+_SHAPE = re.compile(r"\b[a-z]+[0-9]*\[([0-9,]*)\]")
+_GROUPS = re.compile(r"replica_groups=(\{\{[0-9,{} ]*\}\}|\{\})")
+_IOTA = re.compile(r"replica_groups=\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?")
+_MESH = re.compile(
+    r"replica_groups=mesh\[([^\]]*)\]"
+    r"(?:,\s*device_ids=\((\[[0-9,]+\](?:T\([0-9,]+\))?|[0-9, ]+)\))?\s*\{([^}]*)\}"
+)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(t) for t in text.replace(" ", "").split(",") if t]
+
+
+def _iota(dims: list[int], perm: list[int] | None) -> np.ndarray:
+    ids = np.arange(math.prod(dims)).reshape(dims)
+    return ids.transpose(perm) if perm else ids
+
+
+def replica_groups(line: str, num_devices: int) -> list[list[int]]:
+    """The replica groups of one HLO collective, in any of XLA's three spellings."""
+    if m := _GROUPS.search(line):
+        if m.group(1) == "{}":
+            return [list(range(num_devices))]
+        return [_ints(g) for g in re.findall(r"\{([0-9, ]+)\}", m.group(1)[1:-1])]
+    if m := _IOTA.search(line):
+        shape = _ints(m.group(1))
+        ids = _iota(_ints(m.group(2)), _ints(m.group(3)) if m.group(3) else None)
+        return ids.reshape(shape).tolist()
+    if m := _MESH.search(line):
+        axes = [a.split("=") for a in m.group(1).split(",")]
+        names, sizes = [n.strip("'") for n, _ in axes], [int(s) for _, s in axes]
+        order = m.group(2)
+        if order is None:
+            flat = np.arange(math.prod(sizes))
+        elif order.startswith("["):
+            dims, _, perm = order.partition("T")
+            flat = _iota(_ints(dims[1:-1]), _ints(perm[1:-1]) if perm else None).ravel()
+        else:
+            flat = np.asarray(_ints(order))
+        grouped = [names.index(a.strip().strip("'")) for a in m.group(3).split(",") if a.strip()]
+        kept = [i for i in range(len(names)) if i not in grouped]
+        ids = flat.reshape(sizes).transpose(kept + grouped)
+        return ids.reshape(-1, math.prod(sizes[i] for i in grouped)).tolist()
+    raise ValueError(f"cannot parse the replica groups of: {line.strip()[:200]}")
+
+
+def dp_all_reduce_shapes(hlo: str, mesh) -> Counter:
+    """Operand shapes of the all-reduces that cross data-parallel replicas of ``mesh``."""
+    coords = np.stack(np.unravel_index(np.arange(mesh.size), mesh.devices.shape), axis=1)
+    replica_dims = [mesh.axis_names.index(a) for a in REPLICA_AXES if a in mesh.axis_names]
+    replica_of = [tuple(c[replica_dims]) for c in coords]
+    shapes: Counter = Counter()
+    for line in hlo.splitlines():
+        if not (m := _ALL_REDUCE.search(line)):
+            continue
+        groups = replica_groups(line, mesh.size)
+        if any(len({replica_of[d] for d in g}) > 1 for g in groups):
+            shapes.update(tuple(_ints(s)) for s in _SHAPE.findall(m.group(1)))
+    return shapes
+
+
+def dp_reductions(ex, captured: dict) -> list[float]:
+    """DP reductions per step of every parameter (of stages with ``dp > 1``)."""
+    runs = {"bwd": ex.microbatches, "reduce": 1}
+    values: list[float] = []
+    for key, prog in ex.programs.items():
+        if prog.replicas == 1:
+            continue
+        leaves = _leaves(ex.params[key])
+        params = Counter(tuple(a.sharding.shard_shape(a.shape)) for a in leaves)
+        reduced: Counter = Counter()
+        for name, times in runs.items():
+            fn, args = captured[(key, name)]
+            hlo = fn.lower(*args).compile().as_text()
+            for shape, n in dp_all_reduce_shapes(hlo, prog.mesh).items():
+                reduced[shape] += n * times
+        for shape, n in params.items():
+            values += [reduced[shape] / n] * n
+    return values
+
+
+def _leaves(tree) -> list:
+    import jax
+
+    return jax.tree.leaves(tree)
+
+
+# -- live activation bytes ------------------------------------------------------------------
+
+
+class LiveSampler:
+    """Samples ``jax.live_arrays()`` during one step; attributes the stash to stages.
+
+    Arrays get serial numbers (an ``id`` may be reused once an array is freed, a weak
+    reference tells the two apart). A stage input counts as stashed from its F to its B:
+    from the ``fwd`` call that receives it, or - on the loss stage, whose F only stashes -
+    from the first sample where the microbatch data the executor places at F is live.
+    """
+
+    def __init__(self, stage_of: Callable[[tuple], int]):
+        self.stage_of = stage_of
+        self._refs: dict[int, tuple[weakref.ref, int]] = {}
+        self.bytes: dict[int, dict] = {}  # serial -> {device: bytes}
+        self.first_seen: dict[int, int] = {}  # serial -> first sample holding it
+        self.fwd_at: dict[int, int] = {}  # serial of a fwd input -> sample at that call
+        self.samples: list[set[int]] = []
+        self.stashed: list[tuple[int, set[int], int, int]] = []  # (stage, serials, from, to)
+        self.skip = {self._serial(a) for a in self._live()}  # old arrays, then accumulators
+
+    @staticmethod
+    def _live() -> list:
+        import jax
+
+        return [a for a in jax.live_arrays() if not a.is_deleted()]
+
+    def _serial(self, a) -> int:
+        seen = self._refs.get(id(a))
+        if seen is not None and seen[0]() is a:
+            return seen[1]
+        serial = len(self.bytes)
+        self._refs[id(a)] = (weakref.ref(a), serial)
+        shard = math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
+        self.bytes[serial] = {d: shard for d in a.sharding.device_set}
+        return serial
+
+    def sample(self) -> int:
+        now = {self._serial(a) for a in self._live()}
+        for k in now:
+            self.first_seen.setdefault(k, len(self.samples))
+        self.samples.append(now)
+        return len(self.samples) - 1
+
+    def make(self, key, name, fn):
+        def shim(*args):
+            if name == "fwd":  # (params, x, batch)
+                i = self.sample()
+                for a in _leaves(args[1]):
+                    self.fwd_at.setdefault(self._serial(a), i)
+            elif name == "bwd":  # (params, acc, x, batch, g_out, normalizer)
+                i = self.sample()
+                xs = {self._serial(a) for a in _leaves(args[2])}
+                data = {self._serial(a) for a in _leaves(args[3])}
+                starts = [self.fwd_at[k] for k in xs if k in self.fwd_at]
+                start = min(starts or [self.first_seen[k] for k in (data or xs)] or [i])
+                self.stashed.append((self.stage_of(key), xs | data, start, i))
+            out = fn(*args)
+            if name in ("zeros", "bwd"):
+                acc = out if name == "zeros" else out[0]
+                self.skip.update(self._serial(a) for a in _leaves(acc))
+            if name in ("fwd", "bwd"):
+                self.sample()
+            return out
+
+        return shim
+
+    def stash_peaks(self, num_stages: int) -> list[int]:
+        peaks = [0] * num_stages
+        for i, live in enumerate(self.samples):
+            held = [0] * num_stages
+            for stage, serials, start, end in self.stashed:
+                if start <= i <= end:
+                    held[stage] += sum(sum(self.bytes[k].values()) for k in serials & live)
+            peaks = [max(p, h) for p, h in zip(peaks, held, strict=True)]
+        return peaks
+
+    def live_peaks(self, stage_devices: list[set]) -> list[int]:
+        return [
+            max(
+                (
+                    sum(b for k in live - self.skip for d, b in self.bytes[k].items() if d in devs)
+                    for live in self.samples
+                ),
+                default=0,
+            )
+            for devs in stage_devices
+        ]
+
+
+# -- measured bubble ------------------------------------------------------------------------
+
+
+class AsyncTimer:
+    """Per-stage watcher threads timing each F/B of an unprofiled step."""
+
+    def __init__(self, stage_of: Callable[[tuple], int], num_stages: int):
+        self.stage_of = stage_of
+        self.queues = [queue.Queue() for _ in range(num_stages)]
+        self.spans: list[list[tuple[float, float]]] = [[] for _ in range(num_stages)]
+        self.threads = [
+            threading.Thread(target=self._watch, args=(s,), daemon=True) for s in range(num_stages)
+        ]
+        for t in self.threads:
+            t.start()
+
+    def _watch(self, stage: int) -> None:
+        import jax
+
+        while (item := self.queues[stage].get()) is not None:
+            dispatched, inputs, output = item
+            jax.block_until_ready(inputs)
+            ready = time.perf_counter()
+            jax.block_until_ready(output)
+            self.spans[stage].append((max(dispatched, ready), time.perf_counter()))
+
+    def make(self, key, name, fn):
+        if name not in ("fwd", "bwd"):
+            return fn
+
+        def shim(*args):
+            t0 = time.perf_counter()
+            out = fn(*args)
+            # bwd: (params, acc, x, batch, g_out, normalizer) -> (acc, gx, loss); the
+            # accumulator is donated by the next bwd, so wait on the loss (same program).
+            inputs, output = (args[1:3], out) if name == "fwd" else (args[2:5], out[2])
+            self.queues[self.stage_of(key)].put((t0, inputs, output))
+            return out
+
+        return shim
+
+    def bubble(self) -> list[float]:
+        for q in self.queues:
+            q.put(None)
+        for t in self.threads:
+            t.join()
+        spans = [s for row in self.spans for s in row]
+        window = max(e for _, e in spans) - min(s for s, _ in spans)
+        return [1.0 - sum(e - s for s, e in row) / window for row in self.spans]
+
+
+# -- one row --------------------------------------------------------------------------------
+
+
+def _wait(metrics, ex_or_trainer) -> None:
+    import jax
+
+    float(metrics["loss"])
+    jax.block_until_ready(ex_or_trainer.params)
+
+
+def _stage_depths(ex) -> tuple[list[int], int]:
+    """Each schedule stage's depth on the longest path, and that path's stage count."""
+    from hetjax import schedules as hs
+
+    infos = ex.schedule.stages
+    modules = {i.module: i.pp for i in infos}
+    edges = [(l.src, l.dst) for l in ex.graph.links if l.src in modules and l.dst in modules]
+    graph = hs.ModuleGraph(modules, edges)
+    return [graph.depth(i.module) + i.index for i in infos], graph.total_stages()
+
+
+@dataclasses.dataclass
+class Workload:
+    """A model with its parameters and data, and what has been measured on it."""
+
+    model: Any  # models.mllm.MLLM
+    params: Any
+    data: Any  # models.data.SyntheticLlava
+    microbatch_size: int  # samples per microbatch
+    fused: dict[int, float] = dataclasses.field(default_factory=dict)  # M -> fused step s
+
+    def batches(self, m: int, count: int) -> list[dict]:
+        return [self.data.batch(i, m * self.microbatch_size) for i in range(count)]
+
+
+def make_workload(name: str, *, seq_len: int | None, microbatch_size: int) -> Workload:
+    """``tiny`` (the preset) or ``nano`` (tiny shrunk to negligible compute, shortest
+    valid sequence) on a fixed seed."""
+    import jax
+
+    from models.config import get_preset
+    from models.data import DataConfig, SyntheticLlava
+    from models.mllm import MLLM
+
+    preset = get_preset("tiny")
+    if name == "nano":
+        preset = dataclasses.replace(
+            preset,
+            name="nano",
+            llm=dataclasses.replace(preset.llm, width=16, depth=2, heads=2, kv_heads=2, mlp=16),
+            vision=dataclasses.replace(preset.vision, width=8, depth=1, heads=2, mlp=8),
+        )
+        shortest = DataConfig.for_model(preset, seq_len=1, seed=0).max_sample_tokens() - 1
+        seq_len = seq_len or shortest
+    data = SyntheticLlava(DataConfig.for_model(preset, seq_len=seq_len or preset.seq_len, seed=0))
+    model = MLLM(preset)
+    return Workload(model, model.init(jax.random.key(0)), data, microbatch_size)
+
+
+def build_executor(row: Row, work: Workload, devices: list, steps: int):
+    import hetjax
+
+    layouts = {k: hetjax.Layout.parse(v) for k, v in row.layouts.items()}
+    work.model.validate_layouts(layouts)
+    islands = None
+    if row.placement == "non-colocated":
+        islands = {k: l.num_devices for k, l in layouts.items()}
+    return hetjax.Executor(
+        work.model.train_graph(layouts),
+        work.params,
+        devices=devices,
+        mode=row.placement,
+        islands=islands,
+        microbatches=row.microbatches,
+        schedule=row.schedule,
+        optimizer=hetjax.OptimizerConfig(total_steps=steps),
+    )
+
+
+def timed_steps(trainer, batches: list[dict]) -> tuple[list[float], list[float]]:
+    """Per step after the first (which compiles): host time until ``step`` returns, and
+    wall time until its loss and parameters are ready."""
+    _wait(trainer.step(batches[0]), trainer)
+    host, total = [], []
+    for batch in batches[1:]:
+        t0 = time.perf_counter()
+        metrics = trainer.step(batch)
+        host.append(time.perf_counter() - t0)
+        _wait(metrics, trainer)
+        total.append(time.perf_counter() - t0)
+    return host, total
+
+
+def run_row(row: Row, work: Workload, light: Workload, devices: list, counter, config) -> dict:
+    """Builds the executor of ``row`` on ``work``, measures it, returns one JSON row;
+    the dispatch overhead is measured on ``light`` (the same workload, or a nano one)."""
+    m, steps = row.microbatches, config.steps
+    batches = work.batches(m, steps + 3)
+    start = counter.count
+    ex = build_executor(row, work, devices, steps + 3)
+    stage_ids = dict(ex.stage_ids)  # homogeneous: encoders run inside the sink's stage 0
+    fused_into = stage_ids[(ex.graph.sink, 0)]
+
+    def stage_of(key):
+        return stage_ids.get(key, fused_into)
+
+    num_stages = len(ex.schedule.stages)
+    captured, make = capture_args(ex)
+    with wrapped_programs(ex, make):
+        _wait(ex.step(batches[0]), ex)
+    compiles = [counter.count - start]
+    times = []
+    for i in range(1, steps):
+        t0 = time.perf_counter()
+        _wait(ex.step(batches[i]), ex)
+        times.append(time.perf_counter() - t0)
+        if i == 4:
+            compiles.append(counter.count - start)
+
+    # Profiled step: per-op wall times -> simulated timeline and the serialised bubble.
+    t0 = time.perf_counter()
+    _wait(ex.step(batches[steps], profile=True), ex)
+    wall = time.perf_counter() - t0
+    busy = [0.0] * num_stages
+    for (_, key), ts in ex.op_times.items():
+        busy[stage_of(key)] += sum(ts)
+    timeline = ex.timeline()
+
+    timer = AsyncTimer(stage_of, num_stages)
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-4)  # watchers see completions within ~0.1 ms, not ~5 ms
+    try:
+        with wrapped_programs(ex, timer.make):
+            _wait(ex.step(batches[steps + 1]), ex)
+    finally:
+        sys.setswitchinterval(switch)
+    bubble_async = timer.bubble()
+
+    sampler = LiveSampler(stage_of)
+    with wrapped_programs(ex, sampler.make):
+        _wait(ex.step(batches[steps + 2]), ex)
+    stage_devices = [set() for _ in range(num_stages)]
+    for key, prog in ex.programs.items():
+        stage_devices[stage_of(key)].update(prog.mesh.devices.flat)
+    act_peaks = sampler.stash_peaks(num_stages)
+    live_peaks = sampler.live_peaks(stage_devices)
+
+    dp = dp_reductions(ex, captured)
+    depths, depth_total = _stage_depths(ex)
+    step_time = statistics.median(times)
+    if config.png_dir:
+        name = f"{row.placement}-{row.schedule}-M{m}.png"
+        timeline.to_png(pathlib.Path(config.png_dir) / name)
+    out = dict(
+        layout="|".join(f"{s.name}:{s.layout}" for s in ex.graph.modules),
+        placement=row.placement,
+        schedule=row.schedule,
+        microbatches=m,
+        step_time_s=step_time,
+        compiles_after_step1=compiles[0],
+        compiles_after_step5=compiles[-1],
+        dp_reductions_per_param_per_step=max(dp) if dp else None,
+        peak_activation_bytes_per_stage=act_peaks,
+        bubble_measured=bubble_async,
+        bubble_simulated=list(timeline.bubble),
+        # extras
+        schedule_name=ex.schedule.name,
+        stages=[str(i) for i in ex.schedule.stages],
+        stage_depths=depths,
+        pipeline_depth=depth_total,
+        global_batch=m * work.microbatch_size,
+        dp_reductions_min=min(dp) if dp else None,
+        peak_live_bytes_per_stage=live_peaks,
+        bubble_measured_profiled=[1.0 - b / wall for b in busy],
+    )
+    del ex, timer, captured, sampler
+    gc.collect()
+    light_ex = build_executor(row, light, devices, DISPATCH_STEPS)
+    host, total = timed_steps(light_ex, light.batches(m, DISPATCH_STEPS))
+    del light_ex
+    gc.collect()
+    fused = fused_step_time(light, m, devices, DISPATCH_STEPS)
+    out.update(
+        dispatch_overhead_ratio=statistics.median(total) / fused,
+        dispatch_step_time_s=statistics.median(total),
+        dispatch_host_time_s=statistics.median(host),
+        fused_step_time_s=fused,
+    )
+    return out
+
+
+def fused_step_time(work: Workload, m: int, devices: list, steps: int) -> float:
+    """Median steady-state step of the reference trainer (one jit), cached per M."""
+    if m not in work.fused:
+        import hetjax
+
+        axes = {name: mod.logical_axes() for name, mod in work.model.modules.items()}
+        optimizer = hetjax.make_optimizer(
+            hetjax.OptimizerConfig(total_steps=steps), logical_axes=axes
+        )
+        trainer = hetjax.ReferenceTrainer(
+            work.model.loss_sum, work.params, optimizer, devices=devices, microbatches=m
+        )
+        work.fused[m] = statistics.median(timed_steps(trainer, work.batches(m, steps))[1])
+        del trainer
+        gc.collect()
+    return work.fused[m]
+
+
+# -- checks and output ----------------------------------------------------------------------
+
+
+def activation_bound(rows: list[dict]) -> None:
+    """Adds ``activation_bound`` (PASS / FAIL / n/a) to every row, in place."""
+    gpipe = {
+        (r["layout"], r["placement"], r["microbatches"]): r
+        for r in rows
+        if r["schedule"] == "gpipe"
+    }
+    for r in rows:
+        ref = gpipe.get((r["layout"], r["placement"], r["microbatches"]))
+        if r["schedule"] != "1f1b" or ref is None:
+            r["activation_bound"] = "n/a"
+            continue
+        p, m = r["pipeline_depth"], r["microbatches"]
+        ok = all(
+            mine * m <= (p - s) * theirs
+            for mine, theirs, s in zip(
+                r["peak_activation_bytes_per_stage"],
+                ref["peak_activation_bytes_per_stage"],
+                r["stage_depths"],
+                strict=True,
+            )
+        )
+        r["activation_bound"] = "PASS" if ok else "FAIL"
+
+
+def check(rows: list[dict]) -> list[str]:
+    """The issue's "done when" conditions; returns the violations."""
+    bad = []
+    for r in rows:
+        name = f"{r['placement']} {r['schedule']} M={r['microbatches']}"
+        if r["compiles_after_step5"] != r["compiles_after_step1"]:
+            bad.append(
+                f"{name}: compiles {r['compiles_after_step1']} after step 1, "
+                f"{r['compiles_after_step5']} after step 5"
+            )
+        dp = (r["dp_reductions_min"], r["dp_reductions_per_param_per_step"])
+        if dp != (1, 1):
+            bad.append(
+                f"{name}: DP reductions per parameter per step in [{dp[0]}, {dp[1]}], "
+                "want exactly 1"
+            )
+        if r["activation_bound"] == "FAIL":
+            bad.append(
+                f"{name}: 1F1B activation bytes {r['peak_activation_bytes_per_stage']} "
+                f"exceed (P - s) / M of GPipe's"
+            )
+    return bad
+
+
+def print_table(rows: list[dict]) -> None:
+    def fmt(xs, f="{:.2f}"):
+        return "/".join(f.format(x) for x in xs)
+
+    print(
+        f"{'placement':13s} {'sched':5s} {'M':>2s} {'step ms':>8s} {'c1':>3s} {'c5':>3s}"
+        f" {'dpred':>5s} {'stash KiB per stage':>20s} {'bound':>5s} {'bubble meas':>15s}"
+        f" {'bubble sim':>15s} {'disp x':>6s}"
+    )
+    for r in rows:
+        kib = fmt([b / 1024 for b in r["peak_activation_bytes_per_stage"]], "{:.0f}")
+        print(
+            f"{r['placement']:13s} {r['schedule']:5s} {r['microbatches']:2d}"
+            f" {1e3 * r['step_time_s']:8.1f} {r['compiles_after_step1']:3d}"
+            f" {r['compiles_after_step5']:3d} {r['dp_reductions_per_param_per_step']:5.2f}"
+            f" {kib:>20s} {r['activation_bound']:>5s} {fmt(r['bubble_measured']):>15s}"
+            f" {fmt(r['bubble_simulated']):>15s} {r['dispatch_overhead_ratio']:6.2f}"
+        )
+    for layout in dict.fromkeys(r["layout"] for r in rows):
+        stages = next(r["stages"] for r in rows if r["layout"] == layout)
+        print(f"  {layout}: stages {', '.join(stages)}")
+
+
+def main(config: BenchConfig) -> list[dict]:
+    """Runs every row, prints a table, writes JSON, and fails on a violated condition."""
+    from experiments.cli import ConfigError, setup_devices
+
+    if config.devices % 4 or config.steps < 5:
+        raise ConfigError("--devices must be a multiple of 4 and --steps at least 5")
+    devices = setup_devices(config.devices)  # before anything starts a JAX backend
+    import jax
+
+    cache = tempfile.TemporaryDirectory(prefix="bench_executor_")
+    # Rows of one layout share their programs: later executors load them from this cache.
+    jax.config.update("jax_compilation_cache_dir", cache.name)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    counter = CompileCounter()
+    size = config.microbatch_size or config.devices
+    model = "nano" if config.quick else config.model
+    work = make_workload(model, seq_len=config.seq_len, microbatch_size=size)
+    # The fused reference runs dp over every device: its microbatch must split over them.
+    light = (
+        work
+        if model == "nano"
+        else make_workload("nano", seq_len=None, microbatch_size=config.devices)
+    )
+    if config.png_dir:
+        pathlib.Path(config.png_dir).mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    rows = []
+    for row in make_rows(config.devices, config.quick):
+        rows.append(run_row(row, work, light, devices, counter, config))
+        print(
+            f"  measured {row.placement} {row.schedule} M={row.microbatches} "
+            f"({time.perf_counter() - t0:.0f} s)",
+            file=sys.stderr,
+            flush=True,
+        )
+    activation_bound(rows)
+    print_table(rows)
+    print(f"{len(rows)} rows in {time.perf_counter() - t0:.0f} s")
+    if config.json:
+        with open(config.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    cache.cleanup()
+    bad = check(rows)
+    if bad:
+        raise SystemExit("done-when conditions violated:\n" + "\n".join(bad))
+    return rows
+
+
+def parse_args(argv: list[str]) -> BenchConfig:
+    from experiments.cli import OneLineParser, positive_int
+
+    p = OneLineParser(prog="bench_executor", description=__doc__.splitlines()[0])
+    d = BenchConfig()
+    p.add_argument("--json", default=d.json, help="write the rows as a JSON list")
+    p.add_argument("--png-dir", default=d.png_dir, help="write each row's simulated Gantt chart")
+    p.add_argument(
+        "--devices",
+        type=positive_int,
+        default=d.devices,
+        help="simulated CPU devices, a multiple of 4 (default 8)",
+    )
+    p.add_argument("--steps", type=positive_int, default=d.steps, help="steps per row (>= 5)")
+    p.add_argument("--microbatch-size", type=positive_int, default=d.microbatch_size)
+    p.add_argument("--seq-len", type=positive_int, default=d.seq_len)
+    p.add_argument("--model", choices=["tiny", "nano"], default=d.model)
+    p.add_argument(
+        "--quick", action="store_true", help="nano model, one layout, M in {2, 4} (about a minute)"
+    )
+    return BenchConfig(**vars(p.parse_args(argv)))
+
+
+if __name__ == "__main__":
+    from experiments.cli import run_cli
+
+    def _run(argv: list[str]) -> int:
+        main(parse_args(argv))
+        return 0
+
+    run_cli(_run, "bench_executor")
