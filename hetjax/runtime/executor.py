@@ -149,6 +149,8 @@ class Executor:
         }
         self.ops = mark_last_sends(self._build_ops(schedule))
         self.op_times: dict[tuple[str, StageKey], list[float]] = defaultdict(list)
+        self._serialize_overlaps = devices[0].platform == "cpu" and not self.multiprocess
+        self._inflight: dict[frozenset, Any] = {}
 
     # -- set-up -------------------------------------------------------------------------
 
@@ -289,13 +291,16 @@ class Executor:
                 stash[(key, m)] = x
                 if not (prog.is_sink and prog.last):
                     t0 = time.perf_counter()
+                    self._guard(prog.devices)
                     outbox[(key, m)] = prog.fwd(self.params[key], x, data[(key, m)])
+                    self._in_flight(prog.devices, outbox[(key, m)])
                     if profile:
                         jax.block_until_ready(outbox[(key, m)])
                         self.op_times[("F", key)].append(time.perf_counter() - t0)
             elif op.kind == "B":
                 x = stash.pop((key, m))
                 t0 = time.perf_counter()
+                self._guard(prog.devices)
                 acc[key], gx, loss = prog.bwd(
                     self.params[key],
                     acc[key],
@@ -304,6 +309,7 @@ class Executor:
                     grads_in.pop((key, m), None),
                     normalizer,
                 )
+                self._in_flight(prog.devices, (acc[key], gx))
                 if profile:
                     jax.block_until_ready((acc[key], gx))
                     self.op_times[("B", key)].append(time.perf_counter() - t0)
@@ -315,6 +321,7 @@ class Executor:
                 # Free the output after its last send, so live activations follow the
                 # schedule's bound (1F1B: one per in-flight microbatch), not M.
                 y, dst = (outbox.pop if op.last_send else outbox.get)((key, m)), op.peer
+                self._guard(prog.devices | self.programs[dst].devices)
                 if dst[0] == key[0]:
                     inbox[(dst, m)] = self.stage_links[key].forward(y)
                 else:
@@ -324,6 +331,7 @@ class Executor:
                     ].forward(y)
             elif op.kind == "SEND_B":
                 gx, src = (grads_out.pop if op.last_send else grads_out.get)((key, m)), op.peer
+                self._guard(prog.devices | self.programs[src].devices)
                 if src[0] == key[0]:
                     g_src = self.stage_links[src].backward(gx)
                 else:
@@ -331,7 +339,27 @@ class Executor:
                     g_src = self.links[(src[0], key[0])].backward(gx[link.name])
                 prev = grads_in.get((src, m))
                 grads_in[(src, m)] = g_src if prev is None else prev + g_src
+                self._in_flight(prog.devices | self.programs[src].devices, grads_in[(src, m)])
+        self._inflight.clear()
         return self._finish_step(acc, losses, normalizer)
+
+    def _guard(self, devices: frozenset) -> None:
+        """XLA:CPU only: wait for in-flight programs on PARTLY overlapping device sets.
+
+        The CPU runtime does not order two executions per device, so a program on devices
+        0-7 and one on devices 4-7 can meet their collectives in opposite orders and
+        deadlock (seen with 8 simulated devices). GPU streams execute in dispatch order per
+        device, so there this is off and islands/stages overlap freely; on CPU disjoint
+        islands and identical device sets still run concurrently.
+        """
+        if not self._serialize_overlaps:
+            return
+        for other in [d for d in self._inflight if d != devices and d & devices]:
+            jax.block_until_ready(self._inflight.pop(other))
+
+    def _in_flight(self, devices: frozenset, outputs: Any) -> None:
+        if self._serialize_overlaps:
+            self._inflight[devices] = outputs
 
     def _encoder_keys(self) -> list[StageKey]:
         return [k for k in self.programs if k[0] != self.graph.sink]

@@ -143,6 +143,7 @@ class StageProgram:
         self.axes = self.slice_params({p.name: p.logical_axes() for p in spec.parts})
         self.param_shardings = param_shardings(self.axes, mesh)
         self.replicated = NamedSharding(mesh, P())
+        self.devices = frozenset(mesh.devices.flat)
         self.acc_shardings = jax.tree.map(
             lambda s: NamedSharding(mesh, P(REPLICA_AXIS, *s.spec)), self.param_shardings
         )
