@@ -27,10 +27,11 @@ def validate_batch(module: str, layout: Layout, global_batch: int, microbatches:
     per = layout.dp * microbatches
     if global_batch % per:
         lower = global_batch // per * per
+        examples = f"{lower} or {lower + per}" if lower else f"{per}"
         raise LayoutError(
             f"{module}: global batch {global_batch} is not divisible by dp*microbatches ="
             f" {layout.dp}*{microbatches} = {per}; use a batch that is a multiple of {per}"
-            f" (e.g. {lower or per} or {lower + per}) or change dp/microbatches"
+            f" (e.g. {examples}) or change dp/microbatches"
         )
 
 

@@ -97,6 +97,14 @@ class Executor:
         offload_encoders: bool = False,
         options: ParallelOptions = ParallelOptions(),
     ):
+        if microbatches < 1:
+            raise LayoutError(f"microbatches must be >= 1, got {microbatches}")
+        if schedule not in ("1f1b", "gpipe"):
+            raise LayoutError(f"unknown schedule {schedule!r}; use '1f1b' or 'gpipe'")
+        if mode not in ("colocated", "non-colocated", "homogeneous"):
+            raise LayoutError(
+                f"unknown mode {mode!r}; use 'colocated', 'non-colocated' or 'homogeneous'"
+            )
         if mode == "homogeneous":
             graph = homogeneous_graph(graph)
         if offload_encoders and mode != "colocated":
@@ -527,8 +535,10 @@ def island_positions(
     """Island device COUNTS (``--island vision:4``), assigned in order -> device positions."""
     if not counts:
         raise LayoutError(
-            "non-colocated placement needs an island per module, e.g. "
+            "non-colocated placement needs one island per module: "
             + " ".join(f"--island {n}:{l.num_devices}" for n, l in layouts.items())
+            + f" for these layouts (islands are assigned in order and must fit the "
+            f"{num_devices} devices)"
         )
     missing = [n for n in layouts if n not in counts]
     unknown = [n for n in counts if n not in layouts]
@@ -562,5 +572,5 @@ def parse_layouts(items: Sequence[str], modules: Sequence[str]) -> dict[str, Lay
             raise LayoutError(
                 f"--layout {item!r}: expected MODULE:LAYOUT with MODULE one of {list(modules)}"
             )
-        out[name] = Layout.parse(text)
+        out[name] = Layout.parse(text, module=name)
     return out
