@@ -3,13 +3,19 @@
 ``argparse`` prints a usage block and exits 2 on a bad flag; users asked for one line
 that names the fix, so :class:`OneLineParser` raises :class:`ConfigError` instead and
 :func:`run_cli` prints it as a single line with a non-zero exit, never a traceback.
+
+:func:`setup_devices` picks the devices of a single- or multi-process run; a
+multi-process run joins its job first with :func:`hetjax.distributed.initialize`.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
+import pkgutil
 import sys
+from collections import defaultdict
 from collections.abc import Callable
 from typing import NoReturn
 
@@ -43,14 +49,65 @@ def positive_float(text: str) -> float:
     return value
 
 
-def setup_devices(requested: int | None, *, default_cpu: int = 8) -> list:
-    """Returns the devices to train on; simulates ``requested`` CPU devices if no GPU.
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
 
-    Must run before anything touches a JAX backend.
+
+def accelerator_installed() -> bool:
+    """Whether JAX may find a GPU or TPU here: ``JAX_PLATFORMS`` names one, or (unset) a
+    CUDA / ROCm plugin or libtpu is installed. Looks at packages only, so it can run
+    before :func:`hetjax.distributed.initialize`, which must come before any backend."""
+    platforms = os.environ.get("JAX_PLATFORMS", "").strip().lower()
+    if platforms:
+        return any(p.strip() not in ("", "cpu") for p in platforms.split(","))
+    try:
+        import jax_plugins  # the namespace package of JAX's PJRT plugins
+    except ImportError:
+        plugins: list[str] = []
+    else:
+        plugins = [m.name for m in pkgutil.iter_modules(jax_plugins.__path__)]
+    return any("cuda" in n or "rocm" in n for n in plugins) or (
+        importlib.util.find_spec("libtpu") is not None
+    )
+
+
+def setup_devices(
+    requested: int | None, *, multiprocess: bool = False, default_cpu: int = 8
+) -> list:
+    """Returns the devices to train on: in a multi-process run, every process's.
+
+    Single process: ``requested`` devices, simulated on CPU when there is no GPU
+    (``default_cpu`` if None); must run before anything touches a JAX backend.
+    Multi-process (after :func:`hetjax.distributed.initialize`, which already fixed the
+    CPU device count per process): all global devices, in ``jax.devices()`` order; on
+    GPU, ``requested`` keeps the first ``requested`` devices of each process.
+
+    Raises:
+        ConfigError: more devices requested than there are (on GPU).
     """
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import jax
 
+    if multiprocess:
+        devices = jax.devices()
+        local = jax.local_device_count()
+        if requested is None or devices[0].platform == "cpu" or requested == local:
+            return devices
+        if requested > local:
+            raise ConfigError(
+                f"--devices {requested} (per process) but process {jax.process_index()} sees "
+                f"only {local} {devices[0].platform} devices; use --devices {local} or fewer"
+            )
+        by_process = defaultdict(list)
+        for d in devices:
+            by_process[d.process_index].append(d)
+        return [d for p in sorted(by_process) for d in by_process[p][:requested]]
     jax.config.update("jax_num_cpu_devices", requested or default_cpu)
     devices = jax.devices()
     if devices[0].platform == "cpu":

@@ -3,23 +3,40 @@
 With no flags: the ``tiny`` preset on 8 simulated CPU devices (or the visible GPUs) with
 a heterogeneous colocated layout - the encoder data parallel over every device, the LLM
 with ``pp=2, tp=2`` - for a run that finishes in well under two minutes on a laptop CPU.
+
+The same command runs as one process of a multi-process job (JAX's multi-controller
+runtime, one process per node or per GPU): under ``python -m hetjax.launch`` on one
+machine, under SLURM (``srun ... python -m experiments.llava_train``), or started by hand
+with ``--coordinator HOST:PORT --num-processes N --process-id I``. Every process builds
+the same global batch and walks the same schedule; the processes refuse to start if
+their settings differ, stop together when one fails, and only process 0 prints and
+writes files.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
-from collections.abc import Sequence
-from typing import Literal
+from collections.abc import Iterator, Sequence
+from typing import Any, Literal
 
 from experiments.cli import (
     ConfigError,
     OneLineParser,
+    accelerator_installed,
+    non_negative_int,
     positive_float,
     positive_int,
     run_cli,
     setup_devices,
 )
+
+PROG = "llava_train"
+# Settings that are this process's own, so they may differ between processes: the
+# coordinator's address as each process reaches it, its index, and the files that only
+# process 0 writes.
+_PER_PROCESS = ("coordinator", "process_id", "metrics", "timeline")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +54,8 @@ class TrainConfig:
     warmup_steps: int | None = None  # warm-up steps (None: 10% of the run)
     weight_decay: float = 0.01
     clip_norm: float = 1.0  # global gradient-norm clip
-    devices: int | None = None  # simulated CPU devices if no GPU (None: 8; on GPU: all)
+    devices: int | None = None  # simulated CPU devices if no GPU (None: 8; on GPU: all);
+    # in a multi-process run, devices PER PROCESS (None: the launcher's count, or all GPUs)
     metrics: str | None = None  # JSON Lines path for per-step metrics
     layout: tuple[str, ...] = ()  # MODULE:LAYOUT items, e.g. ("llm:dp=2,tp=2,pp=2",)
     placement: Literal["colocated", "non-colocated"] = "colocated"
@@ -49,10 +67,13 @@ class TrainConfig:
     reference: bool = False  # plain data-parallel reference trainer instead
     zero1: bool = False  # shard optimizer state over each module's dp (ZeRO-1)
     sequence_parallel: bool = False  # TP activations sharded on sequence between blocks
+    coordinator: str | None = None  # HOST:PORT of process 0, for a hand-started job
+    num_processes: int | None = None  # processes of a hand-started job
+    process_id: int | None = None  # this process's index in a hand-started job
 
 
 def parse_args(argv: Sequence[str]) -> TrainConfig:
-    p = OneLineParser(prog="llava_train", description=__doc__.splitlines()[0])
+    p = OneLineParser(prog=PROG, description=__doc__.splitlines()[0])
     d = TrainConfig()
     p.add_argument("--model", default=d.model, help="model preset: tiny, tiny-av, small")
     p.add_argument("--steps", type=positive_int, default=d.steps)
@@ -74,7 +95,9 @@ def parse_args(argv: Sequence[str]) -> TrainConfig:
         "--devices",
         type=positive_int,
         default=d.devices,
-        help="simulated CPU devices when there is no GPU (default 8)",
+        help="simulated CPU devices when there is no GPU (default 8); in a multi-process "
+        "run, devices PER PROCESS (default: the launcher's --devices-per-process, or every "
+        "GPU the process sees)",
     )
     p.add_argument("--metrics", default=d.metrics, help="write per-step metrics (JSON Lines)")
     p.add_argument(
@@ -124,6 +147,27 @@ def parse_args(argv: Sequence[str]) -> TrainConfig:
         action="store_true",
         help="with tp > 1: activations between TP regions sharded on sequence",
     )
+    p.add_argument(
+        "--coordinator",
+        default=d.coordinator,
+        metavar="HOST:PORT",
+        help="multi-process job started by hand: process 0's address (with --num-processes, "
+        "--process-id; not needed under python -m hetjax.launch or SLURM)",
+    )
+    p.add_argument(
+        "--num-processes",
+        type=positive_int,
+        default=d.num_processes,
+        metavar="N",
+        help="multi-process job started by hand: number of processes",
+    )
+    p.add_argument(
+        "--process-id",
+        type=non_negative_int,
+        default=d.process_id,
+        metavar="I",
+        help="multi-process job started by hand: this process's index, 0 .. N-1",
+    )
     args = p.parse_args(list(argv))
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
     values["layout"], values["island"] = tuple(args.layout), tuple(args.island)
@@ -150,7 +194,27 @@ def parse_islands(items: Sequence[str]) -> dict[str, int]:
 
 
 def main(config: TrainConfig) -> int:
-    devices = setup_devices(config.devices)
+    # Before anything touches JAX: XLA reads it when it loads, and a multi-process run
+    # must join its job before any backend exists.
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    from hetjax import distributed
+
+    try:
+        info = distributed.initialize(
+            coordinator=config.coordinator,
+            num_processes=config.num_processes,
+            process_id=config.process_id,
+            local_device_count=config.devices,
+            cpu=not accelerator_installed(),
+        )
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    multi = info.is_multiprocess
+    if multi:
+        # First: from here on, a process that stops takes the others with it.
+        distributed.watch_peers()
+    with _stop_peers_on_error(multi):  # GPU counts may differ between machines
+        devices = setup_devices(config.devices, multiprocess=multi)
     # JAX-using imports come after the device count is fixed.
     import jax
     import jax.numpy as jnp
@@ -160,6 +224,21 @@ def main(config: TrainConfig) -> int:
     from models.data import DataConfig, SyntheticLlava
     from models.mllm import MLLM
 
+    if multi:
+        try:  # on every process alike, so every process reports it and exits normally
+            distributed.check_consistent("training config", _shared_settings(config, devices))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    lead = jax.process_index() == 0  # prints and writes files
+    with _stop_peers_on_error(multi):  # only process 0 checks where it writes
+        for flag, path in (("--metrics", config.metrics), ("--timeline", config.timeline)):
+            if lead and path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+                raise ConfigError(
+                    f"{flag} {path}: directory {os.path.dirname(os.path.abspath(path))} does "
+                    "not exist; create it or write the file elsewhere"
+                )
+
+    # The settings agree, so a bad one fails alike on every process (a normal exit).
     try:
         preset = get_preset(config.model)
         seq_len = config.seq_len or preset.seq_len
@@ -173,12 +252,6 @@ def main(config: TrainConfig) -> int:
             weight_decay=config.weight_decay,
             clip_norm=config.clip_norm,
         )
-        if config.metrics and not os.path.isdir(os.path.dirname(os.path.abspath(config.metrics))):
-            raise ConfigError(
-                f"--metrics {config.metrics}: directory "
-                f"{os.path.dirname(os.path.abspath(config.metrics))} does not exist; create it "
-                "or write the metrics elsewhere"
-            )
         model = MLLM(preset, dtype=jnp.bfloat16 if config.dtype == "bfloat16" else jnp.float32)
 
         def init_params():  # only after every check: init runs (and compiles) JAX ops
@@ -192,18 +265,19 @@ def main(config: TrainConfig) -> int:
         raise ConfigError(str(e)) from None
 
     hooks: list = []
-    if jax.process_index() == 0:
+    if lead:
         if config.metrics:
             hooks.append(hetjax.JsonlWriter(config.metrics))
         hooks.append(hetjax.ProgressBar(config.steps))
         counts = model.num_params()
+        over = f" over {info.num_processes} processes" if multi else ""
         hooks.append(
             hetjax.Summary(
                 {
                     "model": f"{preset.name}: {sum(counts.values()):,} params ("
                     + ", ".join(f"{k} {v:,}" for k, v in counts.items())
                     + ")",
-                    "devices": f"{len(devices)} x {devices[0].platform}",
+                    "devices": f"{len(devices)} x {devices[0].platform}{over}",
                     "layout": layout_text,
                     "batch": f"{config.global_batch} samples x {seq_len} tokens, "
                     f"{config.microbatches} microbatch(es), {config.dtype}",
@@ -213,18 +287,47 @@ def main(config: TrainConfig) -> int:
 
     def step(i: int):
         profile = config.timeline is not None and i == config.steps - 1
+        # Every process builds the same global batch (seed, step); the trainer keeps
+        # only this process's shards of it.
         batch = dataset.batch(i, config.global_batch)
         return trainer.step(batch, profile=True) if profile else trainer.step(batch)
 
     hetjax.run_training(
         step, config.steps, tokens_per_step=config.global_batch * seq_len, hooks=hooks
     )
-    if config.timeline and jax.process_index() == 0:
+    if config.timeline and lead:
         timeline = trainer.timeline()
         timeline.to_png(config.timeline)
         bubbles = ", ".join(f"{b:.2f}" for b in timeline.bubble)
-        print(f"timeline: {config.timeline} (simulated bubble per stage: {bubbles})")
+        note = " (stages on other processes were not timed here: read as 0)" if multi else ""
+        print(f"timeline: {config.timeline} (simulated bubble per stage: {bubbles}){note}")
     return 0
+
+
+def _shared_settings(config: TrainConfig, devices: Sequence[Any]) -> dict[str, Any]:
+    """What every process of a job must agree on: the config minus :data:`_PER_PROCESS`,
+    plus the devices and JAX version each process found."""
+    import jax
+
+    shared = {k: v for k, v in dataclasses.asdict(config).items() if k not in _PER_PROCESS}
+    shared["global devices"] = f"{len(devices)} x {devices[0].platform}"
+    shared["jax"] = jax.__version__
+    return shared
+
+
+@contextlib.contextmanager
+def _stop_peers_on_error(multiprocess: bool) -> Iterator[None]:
+    """A :class:`ConfigError` raised inside may hit only some processes (another machine's
+    GPUs or files differ): in a multi-process run it stops the others too, at once,
+    instead of leaving them to wait in a collective for this one."""
+    try:
+        yield
+    except ConfigError as e:
+        if multiprocess:
+            from hetjax import distributed
+
+            distributed.fail(f"{PROG}: error: {e}", exit_code=2)
+        raise
 
 
 def _reference(config, model, init_params, opt_cfg, devices):
@@ -292,4 +395,4 @@ def _heterogeneous(config, model, init_params, opt_cfg, devices):
 
 
 if __name__ == "__main__":
-    run_cli(lambda argv: main(parse_args(argv)), "llava_train")
+    run_cli(lambda argv: main(parse_args(argv)), PROG)

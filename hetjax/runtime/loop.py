@@ -40,23 +40,34 @@ def run_training(
     history: list[dict[str, float]] = []
     pending: tuple[int, Mapping[str, Any]] | None = None
     last = time.perf_counter()
+
+    def report(done: int, step_metrics: Mapping[str, Any]) -> None:
+        nonlocal last
+        metrics = {k: float(v) for k, v in step_metrics.items()}  # waits for step `done`
+        now = time.perf_counter()
+        metrics.update(
+            step=done,
+            tokens=tokens_per_step,
+            step_time_s=now - last,
+            tokens_per_s=tokens_per_step / max(now - last, 1e-9),
+        )
+        last = now
+        history.append(metrics)
+        for hook in hooks:
+            hook.on_step(done, metrics)
+
     for step in range(steps + 1):
         current = (step, step_fn(step)) if step < steps else None
         if pending is not None:
-            done, device_metrics = pending
-            metrics = {k: float(v) for k, v in device_metrics.items()}  # waits for step `done`
-            now = time.perf_counter()
-            metrics.update(
-                step=done,
-                tokens=tokens_per_step,
-                step_time_s=now - last,
-                tokens_per_s=tokens_per_step / max(now - last, 1e-9),
-            )
-            last = now
-            history.append(metrics)
-            for hook in hooks:
-                hook.on_step(done, metrics)
-        pending = current
+            report(*pending)
+            pending = None
+        if current is not None:
+            if all(isinstance(v, float) for v in current[1].values()):
+                # Host metrics (a multi-process step syncs the host itself): report now,
+                # or this step's time would be measured after the next one.
+                report(*current)
+            else:
+                pending = current
     for hook in hooks:
         hook.on_end(history)
     return history

@@ -1,0 +1,595 @@
+"""Communication per module: heterogeneous layouts vs the homogeneous baseline.
+
+    python -m experiments.bench_comm --json out.json [--quick]
+
+The paper's case against one layout for the whole graph: an encoder that inherits the
+LLM's tensor parallelism pays all-reduces around tiny matmuls, and one that inherits
+context parallelism computes every image ``cp`` times over. This benchmark measures, on
+8 simulated CPU devices, the paper's layouts scaled down (model ``tiny`` or
+``tiny-moe``), each as the heterogeneous executor (colocated: the encoder ``dp=8``, the
+LLM its own layout) and as the homogeneous baseline (``mode="homogeneous"``: the encoder
+inherits the LLM's layout without PP):
+
+- ``tp4``: LLM ``dp=2,tp=4`` (the homogeneous encoder inherits tp=4);
+- ``cp2``: LLM ``dp=2,cp=2,tp=2`` (inherits cp=2 and tp=2);
+- ``cp4``: LLM ``dp=2,cp=4`` (inherits cp=4 only);
+- ``moe``: ``tiny-moe`` LLM ``dp=4,ep=2,tp=2`` (inherits ep=2 - a dense encoder reads it
+  as data parallelism - and tp=2).
+
+``--quick`` (for the test) runs ``cp2`` only, with fewer timed steps (about a minute).
+
+The executor cannot build the homogeneous baseline of an LLM with ``cp > 1`` (the
+encoder would inherit cp, which ``ModuleSpec`` refuses); those rows are built with
+:func:`_homogeneous_graph_with_cp` and say so (``cp_inherited_via_patch``).
+
+One JSON row per (scenario, mode, module), with:
+
+- ``collective_bytes``: by kind (all-reduce, all-gather, reduce-scatter, all-to-all,
+  collective-permute), summed over the module's devices, per step. Every stage program
+  is lowered with the arguments captured in the first step and compiled (a cache hit);
+  each collective of the HLO counts its full buffer per device (all-gather: its result;
+  reduce-scatter: its operand; the others: their operand = result), times the trip
+  counts of the ``while`` loops around it (``known_trip_count``: the scanned layers),
+  times the program's calls per step (counted in that step), times the stage's devices.
+  XLA:CPU has no reduce-scatter pass: a reduce-scatter stays an all-reduce followed by
+  a dynamic slice, and counts as an all-reduce here.
+- ``boundary_bytes``: bytes the module's outgoing link moves per step (forward plan and
+  the cotangent's reverse plan, every microbatch; cross-island plus island-local bytes,
+  from :class:`hetjax.boundary.TransferPlan`), plus its pipeline stage-to-stage copies.
+- ``peak_bytes_per_device``: the largest ``memory_analysis()`` footprint (arguments +
+  outputs - aliased + temporaries) of the module's programs, per device.
+- ``step_time_s``: median wall time of the timed steps (the whole step, both modules);
+  ``compute_time_s``: the module's F/B time in one profiled step (extra).
+
+Exits non-zero unless, in every scenario where the homogeneous encoder inherits
+``tp > 1`` or ``cp > 1``, the heterogeneous encoder moves fewer collective bytes.
+Measured: it holds wherever tp is inherited, and fails in ``cp4``, where the bytes are
+EQUAL - an encoder inheriting only cp has no collective of its own beyond the one
+gradient reduction per step, which moves the same buffer per device over dp=2 groups as
+over dp=8. Its cost is elsewhere: ``cp`` times the encoder compute and activation
+memory per device (``compute_time_s``, ``peak_bytes_per_device``). So the full run exits
+1 until the condition (or the claim) is revised; ``--quick`` does not run ``cp4``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+PROGRAMS = ("fwd", "bwd", "zeros", "reduce", "update")
+DEVICES = 8
+GLOBAL_BATCH = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    """One LLM layout; the encoder is ``dp=8`` (heterogeneous) or inherits it."""
+
+    name: str
+    preset: str  # model preset
+    layouts: dict[str, str]  # module -> layout text of the heterogeneous run
+    microbatches: int = 1
+
+
+SCENARIOS = (
+    Scenario("tp4", "tiny", {"vision": "dp=8", "llm": "dp=2,tp=4"}),
+    Scenario("cp2", "tiny", {"vision": "dp=8", "llm": "dp=2,cp=2,tp=2"}),
+    Scenario("cp4", "tiny", {"vision": "dp=8", "llm": "dp=2,cp=4"}),
+    Scenario("moe", "tiny-moe", {"vision": "dp=8", "llm": "dp=4,ep=2,tp=2"}),
+)
+QUICK = ("cp2",)  # inherits cp and tp; tp4 alone is covered by the program tests
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+    """What to run; flags map one-to-one onto these fields."""
+
+    json: str | None = None  # where to write the rows (a JSON list); None: print only
+    quick: bool = False  # scenario cp2 only, fewer timed steps (for the test)
+    steps: int = 5  # steps per executor (the first compiles; the rest are timed)
+
+
+# -- compiled HLO: collectives with their loop trip counts ---------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective instruction of a compiled program."""
+
+    kind: str  # one of KINDS
+    nbytes: int  # full buffer per device and execution (see the module docstring)
+    shapes: tuple[tuple[int, ...], ...]  # result array shapes (several if combined)
+    groups: tuple[tuple[int, ...], ...]  # device groups (positions in the program's mesh)
+    executions: int  # per program run: product of the enclosing loops' trip counts
+    line: str  # the HLO instruction, for error messages
+
+
+_HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->.*\{\s*$")
+_OP = re.compile(
+    r"=\s*(.*?)\s+(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)"
+    r"(-start|-done)?\("
+)
+_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
+_WHILE = re.compile(r"\swhile\(.*?body=%?([\w.\-]+)")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"([0-9]+)"\}')
+_CALLS = re.compile(r"(?:calls|to_apply|condition)=%?([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_PAIRS = re.compile(r"source_target_pairs=\{(\{[0-9, {}]*\})\}")
+_BITS = {"pred": 8, "s4": 4, "u4": 4}
+
+
+def _itemsize(dtype: str) -> float:
+    """Bytes per element of an HLO element type (``f32``, ``bf16``, ``pred``, ``f8e4m3fn``)."""
+    if dtype in _BITS:
+        return _BITS[dtype] / 8
+    bits = re.search(r"[0-9]+", dtype)
+    return int(bits.group()) / 8 if bits else 0.0  # token[]: no data
+
+
+def _arrays(text: str) -> list[tuple[tuple[int, ...], int]]:
+    """(shape, bytes) of every array type in an HLO type string (tuples flattened)."""
+    out = []
+    for dtype, dims in _ARRAY.findall(text):
+        shape = tuple(int(d) for d in dims.split(",") if d)
+        out.append((shape, int(math.prod(shape) * _itemsize(dtype))))
+    return out
+
+
+def _computations(hlo: str) -> tuple[dict[str, list[str]], str]:
+    """Computation name -> its instruction lines, and the entry computation's name."""
+    comps: dict[str, list[str]] = {}
+    entry, current = "", None
+    for line in hlo.splitlines():
+        if current is None:
+            if m := _HEADER.match(line):
+                current = m.group(1)
+                comps[current] = []
+                if line.startswith("ENTRY"):
+                    entry = current
+        elif line.strip() == "}":
+            current = None
+        else:
+            comps[current].append(line)
+    return comps, entry
+
+
+def _executions(comps: dict[str, list[str]], entry: str) -> dict[str, int]:
+    """How many times each computation runs per program run (while bodies x trip count).
+
+    HLO text prints callees before callers, so walking the computations backwards from
+    the entry visits every caller before its callees.
+    """
+    runs: dict[str, int] = defaultdict(int)
+    runs[entry] = 1
+    for name in reversed(list(comps)):
+        if not runs[name]:
+            continue
+        for line in comps[name]:
+            trips = 1
+            if m := _WHILE.search(line):
+                t = _TRIP.search(line)
+                trips = int(t.group(1)) if t else 1
+                runs[m.group(1)] += runs[name] * trips
+            for callee in _CALLS.findall(line):
+                runs[callee] += runs[name]
+            if b := _BRANCHES.search(line):
+                for callee in b.group(1).split(","):
+                    runs[callee.strip().lstrip("%")] += runs[name]
+    return runs
+
+
+def _groups(line: str, num_devices: int) -> tuple[tuple[int, ...], ...]:
+    from experiments.bench_executor import replica_groups
+
+    if m := _PAIRS.search(line):
+        return tuple(
+            tuple(int(v) for v in p.split(",")) for p in re.findall(r"\{([0-9, ]+)\}", m.group(1))
+        )
+    return tuple(tuple(g) for g in replica_groups(line, num_devices))
+
+
+def collectives(hlo: str, num_devices: int) -> list[Collective]:
+    """Every collective of a compiled program's HLO text, with its loop multiplicity.
+
+    Args:
+        hlo: ``compiled.as_text()``.
+        num_devices: devices of the program (for replica groups written as ``{}``).
+
+    Returns:
+        One :class:`Collective` per instruction (``-done`` halves of async pairs skipped).
+    """
+    comps, entry = _computations(hlo)
+    runs = _executions(comps, entry)
+    out = []
+    for name, lines in comps.items():
+        for line in lines:
+            m = _OP.search(line)
+            if not m or m.group(3) == "-done":
+                continue
+            kind, arrays = m.group(2), _arrays(m.group(1))
+            if m.group(3) == "-start" and kind != "all-reduce":
+                arrays = [max(arrays, key=lambda a: a[1])]  # (operand, result, ...) tuple
+            groups = _groups(line, num_devices)
+            nbytes = sum(b for _, b in arrays)
+            if kind == "reduce-scatter":
+                nbytes *= max(len(g) for g in groups)
+            out.append(
+                Collective(
+                    kind,
+                    nbytes,
+                    tuple(s for s, _ in arrays),
+                    groups,
+                    max(runs[name], 1),
+                    line.strip()[:300],
+                )
+            )
+    return out
+
+
+def varied_axes(c: Collective, mesh) -> set[str]:
+    """Mesh axes (of size > 1) whose coordinate differs inside one of ``c``'s groups."""
+    coords = np.stack(np.unravel_index(np.arange(mesh.size), mesh.devices.shape), axis=1)
+    axes = set()
+    for group in c.groups:
+        pts = coords[list(group)]
+        axes.update(a for i, a in enumerate(mesh.axis_names) if len(set(pts[:, i].tolist())) > 1)
+    return axes
+
+
+def bytes_by_kind(items: list[Collective]) -> dict[str, int]:
+    """Bytes per device for one program run, by kind (every kind present, maybe 0)."""
+    out = dict.fromkeys(KINDS, 0)
+    for c in items:
+        out[c.kind] += c.nbytes * c.executions
+    return out
+
+
+def peak_bytes(compiled) -> int:
+    """Footprint of one program per device: arguments + outputs - aliased + temporaries."""
+    m = compiled.memory_analysis()
+    return int(
+        m.argument_size_in_bytes
+        + m.output_size_in_bytes
+        - m.alias_size_in_bytes
+        + m.temp_size_in_bytes
+    )
+
+
+# -- recording one step ---------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Recording:
+    """What one step of an executor called: program arguments, call counts, transfers."""
+
+    # (stage key, program name) -> abstract arguments of its first call / calls per step
+    args: dict[tuple, tuple] = dataclasses.field(default_factory=dict)
+    calls: dict[tuple, int] = dataclasses.field(default_factory=lambda: defaultdict(int))
+    # module -> bytes its outgoing link and its stage-to-stage transfers moved
+    boundary: dict[str, int] = dataclasses.field(default_factory=lambda: defaultdict(int))
+
+    def compiled(self, ex, key: tuple, name: str):
+        """The program ``name`` of stage ``key`` compiled for its recorded arguments."""
+        fn = getattr(ex.programs[key], name)
+        return fn.lower(*self.args[(key, name)]).compile()
+
+
+def _plan_bytes(plan) -> int:
+    return plan.cross_island_bytes + plan.local_collective_bytes
+
+
+@contextlib.contextmanager
+def recording(ex) -> Iterator[Recording]:
+    """Wraps the executor's stage programs and transfers (this instance only) while
+    active: records each program's first arguments (abstract) and its calls, and the
+    bytes every link and stage transfer moves."""
+    from experiments.bench_executor import abstract
+    from hetjax.boundary import naive_device_put_bytes
+    from hetjax.runtime.programs import batch_sharding
+
+    rec = Recording()
+    saved = []
+
+    def patch(obj, attr, make):
+        saved.append((obj, attr, getattr(obj, attr)))
+        setattr(obj, attr, make(getattr(obj, attr)))
+
+    for key, prog in ex.programs.items():
+        for name in PROGRAMS:
+
+            def make(fn, key=key, name=name):
+                def shim(*args):
+                    rec.args.setdefault((key, name), abstract(args))
+                    rec.calls[(key, name)] += 1
+                    return fn(*args)
+
+                return shim
+
+            patch(prog, name, make)
+    for (src, _), link in ex.links.items():
+        for direction in ("forward", "backward"):
+
+            def make(fn, src=src, direction=direction, link=link):
+                def shim(x):
+                    if link.boundary is not None:
+                        plan = link.boundary.plan(x.shape, x.dtype)
+                        plan = plan if direction == "forward" else plan.reverse()
+                        rec.boundary[src] += _plan_bytes(plan)
+                    return fn(x)
+
+                return shim
+
+            patch(link, direction, make)
+    for (module, _), st in ex.stage_links.items():
+        for direction, mesh in (("forward", st.dst_mesh), ("backward", st.src_mesh)):
+
+            def make(fn, module=module, mesh=mesh):
+                def shim(x):
+                    dst = batch_sharding(mesh, x.ndim, sequence=True)
+                    rec.boundary[module] += naive_device_put_bytes(
+                        x.sharding, dst, x.shape, x.dtype
+                    )
+                    return fn(x)
+
+                return shim
+
+            patch(st, direction, make)
+    try:
+        yield rec
+    finally:
+        for obj, attr, original in reversed(saved):
+            setattr(obj, attr, original)
+
+
+def module_rows(ex, rec: Recording) -> dict[str, dict[str, Any]]:
+    """Collective bytes, boundary bytes and peak bytes per module, from one recording."""
+    rows = {}
+    for spec in ex.graph.modules:
+        total = dict.fromkeys(KINDS, 0)
+        peak = 0
+        for key, prog in ex.programs.items():
+            if key[0] != spec.name:
+                continue
+            for name in PROGRAMS:
+                if (key, name) not in rec.args:
+                    continue
+                compiled = rec.compiled(ex, key, name)
+                per_run = bytes_by_kind(collectives(compiled.as_text(), prog.mesh.size))
+                for kind, b in per_run.items():
+                    total[kind] += b * rec.calls[(key, name)] * prog.mesh.size
+                peak = max(peak, peak_bytes(compiled))
+        rows[spec.name] = dict(
+            collective_bytes=total,
+            boundary_bytes=int(rec.boundary.get(spec.name, 0)),
+            peak_bytes_per_device=peak,
+            layout=str(spec.layout),
+        )
+    return rows
+
+
+# -- one scenario ---------------------------------------------------------------------------
+
+
+def _homogeneous_graph_with_cp(graph):
+    """:func:`hetjax.runtime.executor.homogeneous_graph` that also lets an encoder inherit
+    ``cp > 1``, as stock Megatron does (every CP rank runs the encoder on the same images).
+
+    The executor's own version fails there: ``ModuleSpec`` refuses ``cp > 1`` for a
+    module without sequence inputs, so ``mode="homogeneous"`` cannot be built for an LLM
+    with ``cp > 1`` (a known gap). The stage programs handle such an encoder - its inputs
+    and output are replicated over ``cp`` - so the baseline is built by skipping only
+    that check.
+    """
+    sink = graph.module(graph.sink).layout
+    inherited = dataclasses.replace(sink, pp=1)
+    modules = []
+    for m in graph.modules:
+        if m.name != graph.sink:
+            m = dataclasses.replace(m, layout=dataclasses.replace(inherited, cp=1))
+            object.__setattr__(m, "layout", inherited)  # skips __post_init__'s cp check
+        modules.append(m)
+    return dataclasses.replace(graph, modules=tuple(modules))
+
+
+def build(scenario: Scenario, mode: str, work: dict):
+    """The executor of ``scenario`` in ``mode`` (``colocated`` or ``homogeneous``)."""
+    from unittest import mock
+
+    import hetjax
+    from hetjax.runtime import executor
+
+    model, params = work[scenario.preset][:2]
+    layouts = {k: hetjax.Layout.parse(v, module=k) for k, v in scenario.layouts.items()}
+    model.validate_layouts(layouts)
+    patch = contextlib.nullcontext()
+    if mode == "homogeneous" and needs_patch(scenario):
+        patch = mock.patch.object(executor, "homogeneous_graph", _homogeneous_graph_with_cp)
+    with patch:
+        return hetjax.Executor(
+            model.train_graph(layouts),
+            params,
+            devices=work["devices"],
+            mode=mode,
+            microbatches=scenario.microbatches,
+            optimizer=hetjax.OptimizerConfig(total_steps=100, warmup_steps=0),
+        )
+
+
+def run(scenario: Scenario, mode: str, work: dict, steps: int) -> list[dict]:
+    """Rows of one (scenario, mode): one per module."""
+    import jax
+
+    batches = work[scenario.preset][2]
+    ex = build(scenario, "colocated" if mode == "heterogeneous" else "homogeneous", work)
+    with recording(ex) as rec:
+        jax.block_until_ready(ex.step(batches[0]))
+    times = []
+    for s in range(1, steps):
+        t0 = time.perf_counter()
+        jax.block_until_ready((ex.step(batches[s % len(batches)]), ex.params))
+        times.append(time.perf_counter() - t0)
+    ex.step(batches[0], profile=True)
+    compute = defaultdict(float)
+    for (_, key), ts in ex.op_times.items():
+        compute[key[0]] += sum(ts)
+    rows = []
+    for module, row in module_rows(ex, rec).items():
+        rows.append(
+            dict(
+                scenario=scenario.name,
+                mode=mode,
+                module=module,
+                **row,
+                step_time_s=statistics.median(times),
+                compute_time_s=compute[module],
+                llm_layout=scenario.layouts["llm"],
+                # homogeneous with an LLM cp > 1: built with _homogeneous_graph_with_cp
+                cp_inherited_via_patch=mode == "homogeneous" and needs_patch(scenario),
+            )
+        )
+    return rows
+
+
+def needs_patch(scenario: Scenario) -> bool:
+    """Whether the homogeneous baseline of ``scenario`` needs ``_homogeneous_graph_with_cp``."""
+    from hetjax import Layout
+
+    return Layout.parse(scenario.layouts["llm"]).cp > 1
+
+
+def inherits_tp_or_cp(rows: list[dict], scenario: str) -> bool:
+    """Whether the homogeneous encoder of ``scenario`` got tp > 1 or cp > 1."""
+    from hetjax import Layout
+
+    for r in rows:
+        if r["scenario"] == scenario and r["mode"] == "homogeneous" and r["module"] != "llm":
+            layout = Layout.parse(r["layout"])
+            return layout.tp > 1 or layout.cp > 1
+    return False
+
+
+def check(rows: list[dict]) -> list[str]:
+    """The condition: the heterogeneous encoder moves fewer collective bytes than the
+    homogeneous one wherever the latter inherits tp > 1 or cp > 1. Returns violations."""
+    by = {(r["scenario"], r["mode"], r["module"]): r for r in rows}
+    bad = []
+    for scenario in dict.fromkeys(r["scenario"] for r in rows):
+        if not inherits_tp_or_cp(rows, scenario):
+            continue
+        for (s, mode, module), r in by.items():
+            if s != scenario or mode != "heterogeneous" or module == "llm":
+                continue
+            het = sum(r["collective_bytes"].values())
+            hom = sum(by[(s, "homogeneous", module)]["collective_bytes"].values())
+            if not het < hom:
+                bad.append(
+                    f"{scenario}: heterogeneous {module} moves {het} collective bytes per step, "
+                    f"the homogeneous one ({by[(s, 'homogeneous', module)]['layout']}) {hom}"
+                )
+    return bad
+
+
+def print_table(rows: list[dict]) -> None:
+    def kib(n: int) -> str:
+        return f"{n / 1024:.0f}"
+
+    short = {"all-reduce": "AR", "all-gather": "AG", "reduce-scatter": "RS"}
+    short |= {"all-to-all": "A2A", "collective-permute": "CP"}
+    head = " ".join(f"{short[k] + ' KiB':>9s}" for k in KINDS)
+    print(
+        f"{'scenario':8s} {'mode':13s} {'module':7s} {'layout':26s} {head} {'bound KiB':>9s}"
+        f" {'peak KiB':>9s} {'step ms':>8s} {'comp ms':>8s}"
+    )
+    for r in rows:
+        cols = " ".join(f"{kib(r['collective_bytes'][k]):>9s}" for k in KINDS)
+        print(
+            f"{r['scenario']:8s} {r['mode']:13s} {r['module']:7s} {r['layout']:26s} {cols}"
+            f" {kib(r['boundary_bytes']):>9s} {kib(r['peak_bytes_per_device']):>9s}"
+            f" {1e3 * r['step_time_s']:8.1f} {1e3 * r['compute_time_s']:8.1f}"
+        )
+
+
+def main(config: BenchConfig) -> list[dict]:
+    """Runs every scenario in both modes, prints a table, writes JSON, checks."""
+    from experiments.cli import ConfigError, setup_devices
+
+    if config.steps < 2:
+        raise ConfigError("--steps must be at least 2 (the first step compiles)")
+    devices = setup_devices(DEVICES)  # before anything starts a JAX backend
+    import jax
+
+    from models.config import get_preset
+    from models.data import DataConfig, SyntheticLlava
+    from models.mllm import MLLM
+
+    cache = tempfile.TemporaryDirectory(prefix="bench_comm_")
+    # Both modes of a scenario compile the same LLM programs: the second loads them.
+    jax.config.update("jax_compilation_cache_dir", cache.name)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    scenarios = [s for s in SCENARIOS if not config.quick or s.name in QUICK]
+    steps = min(config.steps, 3) if config.quick else config.steps
+    work: dict[str, Any] = {"devices": devices}
+    for name in dict.fromkeys(s.preset for s in scenarios):
+        cfg = get_preset(name)
+        model = MLLM(cfg)
+        data = SyntheticLlava(DataConfig.for_model(cfg, seq_len=cfg.seq_len, seed=0))
+        batches = [data.batch(i, GLOBAL_BATCH) for i in range(steps)]
+        work[name] = (model, model.init(jax.random.key(0)), batches)
+    t0 = time.perf_counter()
+    rows = []
+    for scenario in scenarios:
+        for mode in ("heterogeneous", "homogeneous"):
+            rows += run(scenario, mode, work, steps)
+            print(
+                f"  measured {scenario.name} {mode} ({time.perf_counter() - t0:.0f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
+    print_table(rows)
+    print(f"{len(rows)} rows in {time.perf_counter() - t0:.0f} s")
+    if config.json:
+        with open(config.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    cache.cleanup()
+    bad = check(rows)
+    if bad:
+        raise SystemExit("condition violated:\n" + "\n".join(bad))
+    return rows
+
+
+def parse_args(argv: list[str]) -> BenchConfig:
+    from experiments.cli import OneLineParser, positive_int
+
+    p = OneLineParser(prog="bench_comm", description=__doc__.splitlines()[0])
+    d = BenchConfig()
+    p.add_argument("--json", default=d.json, help="write the rows as a JSON list")
+    p.add_argument("--quick", action="store_true", help="scenario cp2 only (about a minute)")
+    p.add_argument("--steps", type=positive_int, default=d.steps, help="steps per executor")
+    return BenchConfig(**vars(p.parse_args(argv)))
+
+
+if __name__ == "__main__":
+    from experiments.cli import run_cli
+
+    def _run(argv: list[str]) -> int:
+        main(parse_args(argv))
+        return 0
+
+    run_cli(_run, "bench_comm")

@@ -1,0 +1,225 @@
+"""``experiments.llava_train`` as a multi-process job (``python -m hetjax.launch``).
+
+Each layout trains 10 FP32 steps as 2 processes x 4 devices or 4 x 2 (simulated CPU
+devices, gloo collectives) and must give the losses of the single-process 8-device run
+of the same layout: the processes split every module, or hold different modules, or
+different pipeline stages of the LLM. Only process 0 prints and writes the metrics.
+A process killed mid-training takes the others down within the bound, naming it; a
+launch whose processes disagree on their settings is refused on every process.
+
+Compilation dominates (every process compiles every stage's programs), so a module
+fixture starts all training runs at once, letting one run's compilation overlap another's
+host syncs, and the tests read their results; the fault tests run on their own, where
+their time bound means something. Every subprocess has a timeout, and the launcher's
+children die with it (the launcher's own --timeout too).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT_S = 600  # per subprocess: all runs share a loaded 2-core CI machine
+STOP_BOUND_S = 60  # a process killed -> every process gone (the issue's bound)
+TRAIN = ["--steps", "10", "--global-batch", "16", "--microbatches", "2"]
+
+LAYOUTS = {
+    # The vision encoder over all 8 devices; the LLM's two stages on devices 0-3 and 4-7.
+    "colocated": ["--layout", "vision:dp=8", "--layout", "llm:dp=2,tp=2,pp=2"],
+    # Vision on devices 0-3, the LLM on 4-7.
+    "non-colocated": [
+        *("--placement", "non-colocated", "--island", "vision:4", "--island", "llm:4"),
+        *("--layout", "vision:dp=4", "--layout", "llm:dp=2,tp=2"),
+    ],
+    # Vision on devices 0-3; LLM stage 0 on devices 4-5, stage 1 on 6-7.
+    "non-colocated-pp": [
+        *("--placement", "non-colocated", "--island", "vision:4", "--island", "llm:4"),
+        *("--layout", "vision:dp=4", "--layout", "llm:dp=1,tp=2,pp=2"),
+    ],
+}
+# (layout, processes, devices per process); with 4 x 2, "non-colocated-pp" puts vision on
+# processes 0-1 and the LLM's stages on processes 2 and 3.
+MULTI = [
+    ("colocated", 2, 4),
+    ("non-colocated", 2, 4),
+    ("non-colocated-pp", 4, 2),
+    ("colocated", 4, 2),
+]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = {k: v for k, v in env.items() if not k.startswith(("HETJAX_", "SLURM_", "OMPI_"))}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    env.update(extra)
+    return env
+
+
+def _popen(args: list[str], **env: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", *args],
+        cwd=ROOT,
+        env=_env(**env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _launcher(processes: int, devices: int, module: str, args: list[str], **env: str):
+    flags = ["--processes", str(processes), "--devices-per-process", str(devices)]
+    return _popen(
+        ["hetjax.launch", *flags, "--timeout", str(TIMEOUT_S), "--", module, *args], **env
+    )
+
+
+def _finish(proc: subprocess.Popen, what: str) -> subprocess.CompletedProcess:
+    try:
+        out, err = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail(f"{what} ran past {TIMEOUT_S} s:\n{err[-3000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _lines(text: str, process: int) -> list[str]:
+    prefix = f"[p{process}] "
+    return [line[len(prefix) :] for line in text.splitlines() if line.startswith(prefix)]
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every training run, started together: name -> (completed process, metrics rows)."""
+    tmp = tmp_path_factory.mktemp("train")
+    procs = {}
+    for layout, flags in LAYOUTS.items():  # one single-process reference per layout
+        metrics = tmp / f"single-{layout}.jsonl"
+        args = ["experiments.llava_train", "--devices", "8", *TRAIN, *flags]
+        procs[("single", layout)] = (_popen([*args, "--metrics", str(metrics)]), metrics)
+    for layout, n, k in MULTI:
+        metrics = tmp / f"{n}x{k}-{layout}.jsonl"
+        args = [*TRAIN, *LAYOUTS[layout], "--metrics", str(metrics)]
+        procs[(n, k, layout)] = (_launcher(n, k, "experiments.llava_train", args), metrics)
+    try:
+        return {
+            name: (_finish(proc, str(name)), _rows(metrics))
+            for name, (proc, metrics) in procs.items()
+        }
+    finally:  # after a failed run, the ones not waited for yet
+        for proc, _ in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+
+
+def _losses(result: subprocess.CompletedProcess, rows: list[dict]) -> list[float]:
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert [r["step"] for r in rows] == list(range(10)), rows  # one writer, every step once
+    return [r["loss"] for r in rows]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "layout,processes,devices", MULTI, ids=[f"{n}x{k}-{l}" for l, n, k in MULTI]
+)
+def test_multiprocess_losses_match_single_process(runs, layout, processes, devices):
+    single = _losses(*runs[("single", layout)])
+    result, rows = runs[(processes, devices, layout)]
+    multi = _losses(result, rows)
+    np.testing.assert_allclose(multi, single, rtol=1e-5)
+    assert len(set(multi)) == 10  # it does train
+
+    # Only process 0 prints the progress and the summary; it counts every process's devices.
+    out, err = result.stdout, result.stderr
+    summary = [line.split() for line in _lines(out, 0)]
+    assert ["devices", "8", "x", "cpu", "over", str(processes), "processes"] in summary, out[-3000:]
+    for p in range(1, processes):
+        assert not any("hetjax run summary" in line for line in _lines(out, p)), out[-3000:]
+        assert not any(re.match(r"step +\d+/10", line) for line in _lines(err, p)), err[-3000:]
+    assert any(re.match(r"step +10/10  loss", line) for line in _lines(err, 0)), err[-3000:]
+    assert "Traceback" not in err
+
+
+@pytest.mark.multiprocess
+def test_killed_process_stops_every_process_and_is_named(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    args = [*TRAIN, *LAYOUTS["non-colocated"], "--metrics", str(metrics)]
+    launcher = _launcher(2, 4, "tests.distributed._train_kill", args, HETJAX_TEST_KILL_AT="1:3")
+    done = _finish(launcher, "the killed run")
+    end = time.time()
+    match = re.search(r"killing itself at ([0-9.]+)", done.stdout)
+    assert match, done.stdout[-3000:] + done.stderr[-3000:]
+    assert end - float(match.group(1)) < STOP_BOUND_S
+    assert done.returncode != 0
+    last = done.stderr.splitlines()[-1]
+    assert last == "hetjax.launch: process 1 was killed by signal 9 (SIGKILL)", last
+    # Process 0 was stopped by its watchdog, which names process 1, not by the launcher.
+    p0 = "\n".join(_lines(done.stderr, 0))
+    assert re.search(r"hetjax: process 1 (failed first \()?died \(OS process \d+ ended\)", p0), p0
+    assert len(_rows(metrics)) < 10
+    assert "hetjax run summary" not in done.stdout
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.multiprocess
+def test_mismatched_launch_is_refused_on_every_process():
+    """Two processes started by hand with the trainer's own flags, seeds 0 and 1."""
+    coordinator = f"127.0.0.1:{_free_port()}"
+    start = time.monotonic()
+    procs = [
+        _popen(
+            [
+                *("experiments.llava_train", "--devices", "2", *TRAIN, "--seed", str(i)),
+                *("--coordinator", coordinator, "--num-processes", "2", "--process-id", str(i)),
+            ]
+        )
+        for i in range(2)
+    ]
+    try:
+        results = [_finish(p, f"process {i}") for i, p in enumerate(procs)]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGKILL)
+    assert time.monotonic() - start < 120
+    want = (
+        "llava_train: error: training config differs between processes: process 1 has seed=1 "
+        "(process 0: 0); launch every process with the same flags"
+    )
+    for i, result in enumerate(results):
+        assert result.returncode == 2, (i, result.stderr[-3000:])
+        lines = [l for l in result.stderr.splitlines() if l.startswith("llava_train")]
+        assert lines == [want], (i, result.stderr[-3000:])
+        assert "Traceback" not in result.stderr
+
+
+def test_partial_multiprocess_flags_give_one_line():
+    done = _finish(
+        _popen(["experiments.llava_train", "--coordinator", "127.0.0.1:1", "--steps", "1"]),
+        "the refused run",
+    )
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [
+        "llava_train: error: --coordinator given but --num-processes and --process-id "
+        "missing: pass all three (or start the processes with python -m hetjax.launch)"
+    ], done.stderr
