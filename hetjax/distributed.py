@@ -298,6 +298,7 @@ def fail(reason: str, *, exit_code: int = 1) -> NoReturn:
     print(f"hetjax: process {_where()[0]}: {reason}", file=sys.stderr)
     if _guard is not None:
         _guard.publish(_guard.me, reason)
+        _guard.stopping.set()  # we are the failure: do not report peers that stop for it
     _exit_now(exit_code)
 
 
