@@ -1,0 +1,79 @@
+"""The host loop: dispatch order, metrics handed to hooks, and the three stock hooks."""
+
+import io
+import json
+
+import jax.numpy as jnp
+import pytest
+
+from hetjax.runtime import JsonlWriter, ProgressBar, Summary, run_training
+
+
+class Recorder:
+    def __init__(self, log):
+        self.log, self.steps, self.history = log, [], None
+
+    def on_step(self, step, metrics):
+        self.log.append(("hook", step))
+        self.steps.append(dict(metrics))
+
+    def on_end(self, history):
+        self.history = history
+
+
+def test_dispatches_next_step_before_reading_previous():
+    log = []
+
+    def step_fn(i):
+        log.append(("dispatch", i))
+        return {"loss": jnp.float32(10.0 - i)}
+
+    rec = Recorder(log)
+    history = run_training(step_fn, 3, tokens_per_step=64, hooks=[rec])
+    assert log == [
+        ("dispatch", 0),
+        ("dispatch", 1),
+        ("hook", 0),
+        ("dispatch", 2),
+        ("hook", 1),
+        ("hook", 2),
+    ]
+    assert [m["step"] for m in history] == [0, 1, 2]
+    assert [m["loss"] for m in history] == [10.0, 9.0, 8.0]
+    assert rec.history == history
+    for m in history:
+        assert all(type(v) in (int, float) for v in m.values())
+        assert m["tokens"] == 64 and m["step_time_s"] >= 0
+        assert m["tokens_per_s"] == pytest.approx(64 / max(m["step_time_s"], 1e-9))
+
+
+def test_jsonl_writer(tmp_path):
+    path = tmp_path / "m.jsonl"
+    run_training(
+        lambda i: {"loss": jnp.float32(i), "grad_norm": jnp.float32(2 * i)},
+        2,
+        tokens_per_step=8,
+        hooks=[JsonlWriter(str(path))],
+    )
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1]
+    assert all(next(iter(r)) == "step" for r in rows)
+    assert rows[1]["grad_norm"] == 2.0 and rows[1]["tokens"] == 8
+
+
+def test_progress_bar_and_summary_text():
+    bar_out, summary_out = io.StringIO(), io.StringIO()
+    run_training(
+        lambda i: {"loss": jnp.float32(5.0 - i)},
+        25,
+        tokens_per_step=100,
+        hooks=[
+            ProgressBar(25, stream=bar_out, every=10),
+            Summary({"model": "tiny"}, stream=summary_out),
+        ],
+    )
+    lines = bar_out.getvalue().splitlines()
+    assert [line.split()[1] for line in lines] == ["1/25", "10/25", "20/25", "25/25"]
+    text = summary_out.getvalue()
+    assert "hetjax run summary" in text and "tiny" in text
+    assert "5.0000 -> -19.0000" in text and "steps" in text

@@ -1,0 +1,181 @@
+"""End-to-end: ``python -m experiments.llava_train`` in a subprocess.
+
+Successful runs are started one after the other in a module fixture; the bad-input runs
+(which never reach a device) all at once; then each is checked by its own test. Bad
+input must fail before JAX compiles anything: the error runs set ``JAX_LOG_COMPILES=1``,
+so a compilation would show up in stderr; apart from those log lines, stderr must be
+exactly the one error line.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT_S = 300
+
+METRIC_KEYS = {
+    "step",
+    "loss",
+    "grad_norm",
+    "grad_norm/vision",
+    "grad_norm/projector",
+    "grad_norm/llm",
+    "param_norm/vision",
+    "param_norm/projector",
+    "param_norm/llm",
+    "tokens",
+    "step_time_s",
+    "tokens_per_s",
+}
+
+
+def _start(args, env_extra=None):
+    env = {**os.environ, **(env_extra or {})}
+    return subprocess.Popen(
+        [sys.executable, "-m", "experiments.llava_train", *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _finish(procs):
+    out = {}
+    for name, proc in procs.items():
+        try:
+            stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            stdout, stderr = proc.communicate()
+        out[name] = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    return out
+
+
+RUNS = {
+    "tiny_a": ["--steps", "3", "--devices", "2", "--global-batch", "8"],
+    "tiny_b": ["--steps", "3", "--devices", "2", "--global-batch", "8"],
+    "tiny_av": ["--model", "tiny-av", "--steps", "2", "--devices", "2", "--global-batch", "8"],
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    # One after the other: concurrent training processes on a 2-core machine have
+    # aborted in an XLA:CPU all-reduce rendezvous timeout (see the report of this suite).
+    tmp = tmp_path_factory.mktemp("cli")
+    # tiny_b reuses tiny_a's executables from a persistent compilation cache (~15 s of
+    # compiling saved); its losses must still match: same data, init and dispatch.
+    cache = {
+        "JAX_COMPILATION_CACHE_DIR": str(tmp / "jax-cache"),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
+    }
+    results, rows = {}, {}
+    for name, args in RUNS.items():
+        path = tmp / f"{name}.jsonl"
+        results.update(_finish({name: _start([*args, "--metrics", str(path)], cache)}))
+        text = path.read_text() if path.exists() else ""
+        rows[name] = [json.loads(line) for line in text.splitlines()]
+    return results, rows
+
+
+def _check_ok(result):
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+
+
+def test_tiny_run_writes_metrics_and_summary(runs):
+    results, rows = runs
+    _check_ok(results["tiny_a"])
+    assert len(rows["tiny_a"]) == 3
+    for i, row in enumerate(rows["tiny_a"]):
+        assert METRIC_KEYS <= row.keys(), METRIC_KEYS - row.keys()
+        assert row["step"] == i
+        assert row["tokens"] == 8 * 64
+        assert all(isinstance(row[k], (int, float)) for k in METRIC_KEYS)
+        assert 0 < row["loss"] < 10 and row["grad_norm"] > 0 and row["tokens_per_s"] > 0
+    stdout = results["tiny_a"].stdout
+    assert "hetjax run summary" in stdout
+    assert "tiny" in stdout and "2 x cpu" in stdout
+    assert "loss (first -> last)" in stdout and "throughput" in stdout
+
+
+def test_tiny_av_run_has_audio_metrics(runs):
+    results, rows = runs
+    _check_ok(results["tiny_av"])
+    assert len(rows["tiny_av"]) == 2
+    keys = METRIC_KEYS | {"grad_norm/audio", "param_norm/audio"}
+    for row in rows["tiny_av"]:
+        assert keys <= row.keys(), keys - row.keys()
+        assert row["tokens"] == 8 * 96
+    assert "tiny-av" in results["tiny_av"].stdout
+
+
+def test_same_seed_same_losses(runs):
+    results, rows = runs
+    _check_ok(results["tiny_b"])
+    losses_a = [r["loss"] for r in rows["tiny_a"]]
+    assert losses_a == [r["loss"] for r in rows["tiny_b"]]
+    assert len(set(losses_a)) == 3  # the model does train
+
+
+# (flags, regular expressions the one-line error must match: what is wrong and the fix)
+BAD_INPUT = {
+    "unknown-preset": (["--model", "nope"], [r"unknown model preset 'nope'", r"tiny-av"]),
+    "batch-vs-microbatches": (
+        ["--global-batch", "10", "--microbatches", "4", "--devices", "2"],
+        [r"10 is not divisible", r"microbatches", r"multiple of \d+"],
+    ),
+    "batch-vs-devices": (
+        ["--global-batch", "6", "--microbatches", "1", "--devices", "4"],
+        [r"not divisible", r"multiple of 4"],
+    ),
+    "seq-len-too-short": (["--seq-len", "8"], [r"--seq-len 8 is too short", r"--seq-len 48"]),
+    "zero-steps": (["--steps", "0"], [r"--steps", r"positive integer, got 0"]),
+    "negative-steps": (["--steps", "-3"], [r"--steps", r"positive integer, got -3"]),
+    "malformed-lr": (["--lr", "abc"], [r"--lr", r"positive number, got 'abc'"]),
+    "malformed-steps": (["--steps", "two"], [r"--steps", r"positive integer, got 'two'"]),
+    "unknown-flag": (["--bogus"], [r"unrecognized arguments: --bogus", r"--help"]),
+    "negative-seed": (["--seed", "-1"], [r"--seed -1", r"non-negative"]),
+    "metrics-dir-missing": (
+        ["--metrics", "/nonexistent-hetjax-dir/m.jsonl"],
+        [r"--metrics", r"/nonexistent-hetjax-dir", r"create"],
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def bad_runs():
+    # "--steps 2" first: a later flag of the case overrides it, and a run that wrongly
+    # starts training stays short.
+    procs = {
+        name: _start(["--steps", "2", *args], {"JAX_LOG_COMPILES": "1"})
+        for name, (args, _) in BAD_INPUT.items()
+    }
+    return _finish(procs)
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUT))
+def test_bad_input_is_one_line_before_compiling(bad_runs, case):
+    _, patterns = BAD_INPUT[case]
+    result = bad_runs[case]
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    # Building abstract parameter shapes traces (jax.eval_shape), which is allowed and
+    # logged as "Finished tracing"; anything compiled would be logged as compilation.
+    lines = [l for l in result.stderr.splitlines() if not l.startswith("Finished tracing")]
+    assert not any(re.search(r"[Cc]ompil|MLIR", l) for l in lines), result.stderr[-3000:]
+    assert len(lines) == 1, result.stderr[-3000:]
+    (line,) = lines
+    assert line.startswith("llava_train: error: ") and len(line) > len("llava_train: error: ")
+    for pattern in patterns:
+        assert re.search(pattern, line), (pattern, line)
+    assert "hetjax run summary" not in result.stdout
