@@ -77,6 +77,15 @@ def accelerator_installed() -> bool:
     )
 
 
+def allow_slow_collectives(seconds: int = 600) -> None:
+    """XLA:CPU aborts the process when a collective waits 40 s for a participant. Many
+    simulated devices on few cores (or a loaded laptop) can starve a device thread that
+    long; wait longer instead. Must run before the backend starts; no effect on GPU."""
+    flag = "--xla_cpu_collective_call_terminate_timeout_seconds"
+    if flag not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}={seconds}".strip()
+
+
 def setup_devices(
     requested: int | None, *, multiprocess: bool = False, default_cpu: int = 8
 ) -> list:
@@ -92,6 +101,7 @@ def setup_devices(
         ConfigError: more devices requested than there are (on GPU).
     """
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    allow_slow_collectives()
     import jax
 
     if multiprocess:

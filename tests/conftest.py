@@ -3,8 +3,12 @@
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# XLA:CPU aborts when a collective waits 40 s for a participant; tests start several
+# processes on 2 cores, which can starve a device thread that long. Subprocesses inherit it.
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    os.environ.get("XLA_FLAGS", "")
+    + " --xla_force_host_platform_device_count=8"
+    + " --xla_cpu_collective_call_terminate_timeout_seconds=600"
 ).strip()
 
 import jax  # noqa: E402

@@ -348,21 +348,20 @@ class Executor:
                 prev = grads_in.get((src, m))
                 grads_in[(src, m)] = g_src if prev is None else prev + g_src
                 self._in_flight(prog.devices | self.programs[src].devices, grads_in[(src, m)])
-        self._inflight.clear()
         return self._finish_step(acc, losses, normalizer)
 
     def _guard(self, devices: frozenset) -> None:
-        """XLA:CPU only: wait for in-flight programs on PARTLY overlapping device sets.
+        """XLA:CPU only: wait for in-flight programs on overlapping device sets.
 
         The CPU runtime does not order two executions per device, so a program on devices
         0-7 and one on devices 4-7 can meet their collectives in opposite orders and
-        deadlock (seen with 8 simulated devices). GPU streams execute in dispatch order per
-        device, so there this is off and islands/stages overlap freely; on CPU disjoint
-        islands and identical device sets still run concurrently.
+        deadlock (seen with 8 simulated devices, also with identical device sets under
+        heavy load). GPU streams execute in dispatch order per device, so there this is
+        off and stages overlap freely; on CPU, disjoint islands still run concurrently.
         """
         if not self._serialize_overlaps:
             return
-        for other in [d for d in self._inflight if d != devices and d & devices]:
+        for other in [d for d in self._inflight if d & devices]:
             jax.block_until_ready(self._inflight.pop(other))
 
     def _in_flight(self, devices: frozenset, outputs: Any) -> None:
@@ -453,7 +452,11 @@ class Executor:
     def _finish_step(self, acc, losses, normalizer) -> dict[str, jax.Array]:
         if self.multiprocess:
             return self._finish_step_multiprocess(acc, losses, normalizer)
-        reduced = {k: p.reduce(acc[k]) for k, p in self.programs.items()}
+        reduced = {}
+        for k, p in self.programs.items():
+            self._guard(p.devices)
+            reduced[k] = p.reduce(acc[k])
+            self._in_flight(p.devices, reduced[k])
         sq = defaultdict(list)
         for _, norms in reduced.values():
             for name, v in norms.items():
@@ -462,14 +465,17 @@ class Executor:
         global_norm = jnp.sqrt(sum(sq.values()))
         param_sq = defaultdict(list)
         for k, p in self.programs.items():
+            self._guard(p.devices)
             self.params[k], self.opt_state[k], norms = p.update(
                 self.params[k],
                 self.opt_state[k],
                 reduced[k][0],
                 jax.device_put(global_norm, p.replicated),
             )
+            self._in_flight(p.devices, (self.params[k], norms))
             for name, v in norms.items():
                 param_sq[name].append(v)
+        self._inflight.clear()
         return {
             "loss": self._gather(losses),
             "grad_norm": global_norm,

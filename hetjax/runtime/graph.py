@@ -38,18 +38,14 @@ class ModuleSpec:
     inputs: tuple[str, ...] = ()  # batch keys passed positionally to parts[0].pre
     loss_inputs: tuple[str, ...] = ()  # batch keys passed to the sink's post after h
     seq_inputs: tuple[str, ...] = ()  # batch keys with a sequence axis (dim 1): with cp > 1
-    # they are stored load-balanced (zigzag) and split over cp, like the activations
+    # they are stored load-balanced (zigzag) and split over cp, like the activations. A
+    # module with cp > 1 and no sequence inputs (an encoder inheriting the LLM's CP, as in
+    # the homogeneous baseline) is replicated over its cp ranks.
 
     def __post_init__(self):
         if not self.parts:
             raise LayoutError(f"{self.name}: a module needs at least one StagedModule part")
         main = self.parts[0]
-        if self.layout.cp > 1 and not self.seq_inputs:
-            raise LayoutError(
-                f"{self.name}: cp={self.layout.cp} but the module declares no sequence inputs; "
-                "encoders run with cp=1 (their sequence is bounded by the modality) - give "
-                f"{self.name} a layout with cp=1"
-            )
         if main.num_layers % self.layout.pp:
             raise LayoutError(
                 f"{self.name}: {main.num_layers} layers do not split into pp={self.layout.pp} "

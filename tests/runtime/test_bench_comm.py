@@ -1,0 +1,91 @@
+"""``python -m experiments.bench_comm --quick`` in a subprocess: the JSON rows and the
+condition (the heterogeneous encoder moves fewer collective bytes than a homogeneous one
+that inherits tp > 1 or cp > 1)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hetjax import Layout
+
+ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT_S = 600
+KEYS = {
+    "scenario",
+    "mode",
+    "module",
+    "collective_bytes",
+    "boundary_bytes",
+    "peak_bytes_per_device",
+    "step_time_s",
+}
+KINDS = {"all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute"}
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench_comm") / "rows.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "experiments.bench_comm", "--quick", "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def encoder_bytes(rows, scenario, mode) -> int:
+    (row,) = [
+        r for r in rows if (r["scenario"], r["mode"], r["module"]) == (scenario, mode, "vision")
+    ]
+    return sum(row["collective_bytes"].values())
+
+
+@pytest.mark.slow
+def test_rows_have_the_keys(rows):
+    assert {(r["mode"], r["module"]) for r in rows} == {
+        (m, n) for m in ("heterogeneous", "homogeneous") for n in ("vision", "llm")
+    }
+    for row in rows:
+        assert KEYS <= row.keys(), KEYS - row.keys()
+        assert set(row["collective_bytes"]) == KINDS
+        assert all(isinstance(v, int) and v >= 0 for v in row["collective_bytes"].values())
+        assert row["peak_bytes_per_device"] > 0 and row["step_time_s"] > 0
+        assert row["boundary_bytes"] >= 0
+
+
+@pytest.mark.slow
+def test_heterogeneous_encoder_moves_fewer_collective_bytes(rows):
+    scenarios = {r["scenario"] for r in rows}
+    assert scenarios
+    for scenario in scenarios:
+        (hom,) = [
+            r
+            for r in rows
+            if (r["scenario"], r["mode"], r["module"]) == (scenario, "homogeneous", "vision")
+        ]
+        inherited = Layout.parse(hom["layout"])
+        assert inherited.tp > 1 or inherited.cp > 1  # the quick scenarios all inherit
+        assert encoder_bytes(rows, scenario, "heterogeneous") < encoder_bytes(
+            rows, scenario, "homogeneous"
+        )
+        # The LLM's programs do not depend on the encoder's layout.
+        llm = {
+            r["mode"]: r["collective_bytes"]
+            for r in rows
+            if r["scenario"] == scenario and r["module"] == "llm"
+        }
+        assert llm["heterogeneous"] == llm["homogeneous"]
+
+
+@pytest.mark.slow
+def test_only_the_heterogeneous_link_moves_bytes(rows):
+    """The homogeneous encoder already produces the LLM's layout: its link is identity."""
+    for r in rows:
+        if r["module"] == "vision":
+            assert (r["boundary_bytes"] > 0) == (r["mode"] == "heterogeneous"), r
