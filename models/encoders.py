@@ -33,7 +33,7 @@ class PatchEmbed(nnx.Module):
         p = self.cfg.patch
         x = images_BxHxWxC.reshape(b, h // p, p, w // p, p, c).transpose(0, 1, 3, 2, 4, 5)
         patches_BxNxP = x.reshape(b, (h // p) * (w // p), p * p * c)
-        return self.proj(patches_BxNxP) + self.pos.value.astype(self.dtype)
+        return self.proj(patches_BxNxP) + self.pos[...].astype(self.dtype)
 
 
 class FrameEmbed(nnx.Module):
@@ -51,7 +51,7 @@ class FrameEmbed(nnx.Module):
         b, t, f = frames_BxTxF.shape
         s = self.cfg.frame_stack
         tokens_BxNxI = frames_BxTxF.reshape(b, t // s, s * f)
-        return self.proj(tokens_BxNxI) + self.pos.value.astype(self.dtype)
+        return self.proj(tokens_BxNxI) + self.pos[...].astype(self.dtype)
 
 
 def make_encoder(name: str, cfg: EncoderConfig, dtype: Any = jnp.float32) -> StagedModule:

@@ -51,8 +51,8 @@ class Dense(nnx.Module):
         self.dtype = dtype
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = jnp.dot(x.astype(self.dtype), self.kernel.value.astype(self.dtype))
-        return y if self.bias is None else y + self.bias.value.astype(self.dtype)
+        y = jnp.dot(x.astype(self.dtype), self.kernel[...].astype(self.dtype))
+        return y if self.bias is None else y + self.bias[...].astype(self.dtype)
 
 
 class RMSNorm(nnx.Module):
@@ -64,7 +64,7 @@ class RMSNorm(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (y * self.scale.value).astype(self.dtype)
+        return (y * self.scale[...]).astype(self.dtype)
 
 
 class LayerNorm(nnx.Module):
@@ -79,7 +79,7 @@ class LayerNorm(nnx.Module):
         mean = jnp.mean(x32, axis=-1, keepdims=True)
         var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
         y = (x32 - mean) * jax.lax.rsqrt(var + self.eps)
-        return (y * self.scale.value + self.bias.value).astype(self.dtype)
+        return (y * self.scale[...] + self.bias[...]).astype(self.dtype)
 
 
 def rope_angles(positions_L: jax.Array, head_dim: int, theta: float) -> jax.Array:

@@ -58,7 +58,7 @@ class TokenEmbed(nnx.Module):
         self.dtype = dtype
 
     def __call__(self, tokens_BxL: jax.Array, **modality_BxNxD: jax.Array) -> jax.Array:
-        h_BxLxD = jnp.take(self.table.value, tokens_BxL, axis=0).astype(self.dtype)
+        h_BxLxD = jnp.take(self.table[...], tokens_BxL, axis=0).astype(self.dtype)
         for modality, tokens_BxNxD in sorted(modality_BxNxD.items()):
             if modality not in self.placeholders:
                 raise ValueError(

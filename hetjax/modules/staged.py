@@ -44,7 +44,7 @@ def _split_params(module: nnx.Module) -> tuple[nnx.GraphDef, Params, Params]:
     graphdef, state = nnx.split(module, nnx.Param)
     params = nnx.to_pure_dict(state)
     axes = jax.tree.map(
-        lambda v: tuple(v.get_metadata().get("axes", (None,) * v.value.ndim)),
+        lambda v: tuple(v.get_metadata().get("axes", (None,) * v.get_value().ndim)),
         state,
         is_leaf=lambda x: isinstance(x, nnx.Variable),
     )

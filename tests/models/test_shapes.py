@@ -58,8 +58,8 @@ def test_patch_embed_orders_patches_row_major():
     rng = np.random.default_rng(0)
     images = rng.normal(size=(B, s, s, c)).astype(np.float32)
     tokens = np.asarray(embed(jnp.asarray(images)))
-    kernel = np.asarray(embed.proj.kernel.value)
-    pos = np.asarray(embed.pos.value)
+    kernel = np.asarray(embed.proj.kernel[...])
+    pos = np.asarray(embed.pos[...])
     grid = s // p
     for n in (0, 1, grid, cfg.num_tokens - 1):
         r, col = divmod(n, grid)
