@@ -541,7 +541,7 @@ def island_positions(
     """Island device COUNTS (``--island vision:4``), assigned in order -> device positions."""
     if not counts:
         raise LayoutError(
-            "non-colocated placement needs one island per module: "
+            "non-colocated placement needs an island per module: "
             + " ".join(f"--island {n}:{l.num_devices}" for n, l in layouts.items())
             + f" for these layouts (islands are assigned in order and must fit the "
             f"{num_devices} devices)"
