@@ -355,8 +355,7 @@ def _reference(config, model, init_params, opt_cfg, devices):
 
 def _heterogeneous(config, model, init_params, opt_cfg, devices):
     import hetjax
-    from hetjax.meshes import validate_batch
-    from hetjax.runtime.executor import homogeneous_graph
+    from hetjax.runtime.executor import check_batch, homogeneous_graph
 
     names = model.module_names
     given = hetjax.runtime.parse_layouts(config.layout, names)
@@ -370,10 +369,9 @@ def _heterogeneous(config, model, init_params, opt_cfg, devices):
     if config.island and mode != "non-colocated":
         raise ConfigError("--island is only for --placement non-colocated")
     graph = model.train_graph(layouts)
-    # The batch check the Executor repeats, but before parameters exist (no compilation).
+    # Before parameters exist, so a bad batch fails without compiling anything.
     effective = homogeneous_graph(graph) if mode == "homogeneous" else graph
-    for spec in effective.modules:
-        validate_batch(spec.name, spec.layout, config.global_batch, config.microbatches)
+    check_batch(effective, config.global_batch, config.microbatches)
     trainer = hetjax.Executor(
         graph,
         init_params(),
@@ -388,7 +386,6 @@ def _heterogeneous(config, model, init_params, opt_cfg, devices):
             zero1=config.zero1, sequence_parallel=config.sequence_parallel
         ),
     )
-    trainer.validate_batch(config.global_batch)
     shown = {spec.name: str(spec.layout) for spec in trainer.graph.modules}
     text = f"{mode}: " + "; ".join(f"{n} {l}" for n, l in shown.items())
     return trainer, text + f"; schedule {trainer.schedule.name}"

@@ -55,6 +55,15 @@ class Op:
     last_send: bool = True  # sends: no later send of this step reads the same output
 
 
+def check_batch(graph: TrainGraph, global_batch: int, microbatches: int) -> None:
+    """Every module's ``dp x microbatches`` divides the global batch (one-line errors).
+
+    Needs no devices or parameters, so a CLI can call it before anything compiles.
+    """
+    for spec in graph.modules:
+        validate_batch(spec.name, spec.layout, global_batch, microbatches)
+
+
 def homogeneous_graph(graph: TrainGraph) -> TrainGraph:
     """Every encoder inherits the sink's layout (without PP), as in stock Megatron."""
     sink = graph.module(graph.sink).layout
@@ -250,8 +259,7 @@ class Executor:
     # -- one step -----------------------------------------------------------------------
 
     def validate_batch(self, global_batch: int) -> None:
-        for spec in self.graph.modules:
-            validate_batch(spec.name, spec.layout, global_batch, self.microbatches)
+        check_batch(self.graph, global_batch, self.microbatches)
 
     def _microbatch(self, batch: Mapping[str, np.ndarray], key: StageKey, m: int):
         prog = self.programs[key]
