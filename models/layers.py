@@ -183,7 +183,16 @@ class EncoderBlock(nnx.Module):
         # qkv output is laid out [H, 3, K] so a TP split over "heads" keeps whole heads.
         qkv = self.qkv(self.norm1(x_BxLxD)).reshape(b, l, self.heads, 3, d // self.heads)
         q, k, v = qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]
-        a = attention(q, k, v, causal=False).reshape(b, l, d)
+        ctx = parallel.current()
+        if ctx is not None and ctx.cp > 1:
+            # An encoder with cp > 1 (e.g. one inheriting the LLM's layout) splits its
+            # tokens over cp; bidirectional attention then needs every K/V block: a ring.
+            a = ring_attention(
+                q, k, v, None, mesh=ctx.mesh, batch_axes=ctx.batch_axes, causal=False
+            )
+        else:
+            a = attention(q, k, v, causal=False)
+        a = a.reshape(b, l, d)
         x_BxLxD = x_BxLxD + self.out(a)
         h = self.norm2(x_BxLxD)
         if self.moe is not None:

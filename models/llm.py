@@ -20,6 +20,7 @@ from flax import nnx
 
 from hetjax.modules import StagedModule
 from hetjax.ops import context as parallel
+from hetjax.ops.token_routing import merge_routed
 from models.config import LLMConfig
 from models.layers import DecoderBlock, Dense, RMSNorm, normal_param
 
@@ -67,6 +68,12 @@ class TokenEmbed(nnx.Module):
                 )
             is_slot_BxL = tokens_BxL == self.placeholders[modality]
             ctx = parallel.current()
+            if ctx is not None and modality in ctx.routed:
+                # Context parallelism: each cp rank received only its own slots' tokens.
+                h_BxLxD = merge_routed(
+                    h_BxLxD, is_slot_BxL, tokens_BxNxD, mesh=ctx.mesh, batch_axes=ctx.batch_axes
+                )
+                continue
             positions = None if ctx is None or ctx.cp == 1 else ctx.positions(tokens_BxL.shape[1])
             h_BxLxD = merge_modality_tokens(h_BxLxD, is_slot_BxL, tokens_BxNxD, positions)
         return h_BxLxD

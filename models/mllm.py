@@ -115,6 +115,9 @@ class MLLM:
                 inputs=("tokens",),
                 loss_inputs=("targets", "loss_mask"),
                 seq_inputs=("tokens", "targets", "loss_mask"),
+                token_slots=tuple(
+                    (link.name, "tokens", tokenizer.PLACEHOLDERS[link.name]) for link in links
+                ),
             )
         )
         return TrainGraph(tuple(modules), tuple(links))

@@ -31,6 +31,9 @@ class ParallelContext:
     mesh: Mesh | None  # the stage's submesh (axes dp, ep, cp, tp); None: no mesh ops
     batch_axes: tuple[str, ...] | None  # mesh axes the batch dim is split over here
     loss_scale: Any = None  # d(loss)/d(summed loss): 1 / global supervised-token count
+    # Modality inputs delivered routed: each cp rank got only the tokens of the
+    # placeholders it stores (``hetjax.ops.token_routing``), not the whole image.
+    routed: frozenset[str] = frozenset()
 
     def positions(self, seq_len: int) -> np.ndarray:
         """Original position of each stored sequence element. With ``cp > 1`` sequences
@@ -59,10 +62,15 @@ class ParallelContext:
 
 @contextlib.contextmanager
 def parallel_context(
-    mesh: Mesh | None, *, batch_axes: tuple[str, ...] | None, loss_scale: Any = None
+    mesh: Mesh | None,
+    *,
+    batch_axes: tuple[str, ...] | None,
+    loss_scale: Any = None,
+    routed: frozenset[str] = frozenset(),
 ) -> Iterator[ParallelContext]:
-    """Makes ``ParallelContext(mesh, batch_axes, loss_scale)`` current while tracing."""
-    ctx = ParallelContext(mesh, batch_axes, loss_scale)
+    """Makes ``ParallelContext(mesh, batch_axes, loss_scale, routed)`` current while
+    tracing."""
+    ctx = ParallelContext(mesh, batch_axes, loss_scale, frozenset(routed))
     token = _CURRENT.set(ctx)
     try:
         yield ctx

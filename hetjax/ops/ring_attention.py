@@ -370,7 +370,7 @@ def ring_attention(
     q_BxLxHxK: jax.Array,
     k_BxLxGxK: jax.Array,
     v_BxLxGxK: jax.Array,
-    positions: jax.Array,
+    positions: jax.Array | None,
     *,
     mesh: Mesh | None,
     cp_axis: str = "cp",
@@ -378,8 +378,9 @@ def ring_attention(
     head_axis: str | None = "tp",
     impl: Impl = "ring",
     zigzag: bool = False,
+    causal: bool = True,
 ) -> jax.Array:
-    """Causal GQA attention with the sequence sharded over the ``cp_axis`` of ``mesh``.
+    """GQA attention with the sequence sharded over the ``cp_axis`` of ``mesh``.
 
     Inputs and output are global-view arrays in stored (e.g. zigzag) order; the result
     equals :func:`causal_attention` of the same arrays, i.e. plain causal attention of
@@ -389,7 +390,8 @@ def ring_attention(
         q_BxLxHxK: queries. k_BxLxGxK, v_BxLxGxK: keys/values; ``G`` divides ``H``.
         positions: ``[L]`` or ``[B, L]`` integer original position of every stored token
             (for the zigzag layout, ``zigzag_permutation(L, cp)``); RoPE must have been
-            applied with the same positions. The mask is ``q_pos >= k_pos``.
+            applied with the same positions. The mask is ``q_pos >= k_pos``. Ignored
+            (pass None) when ``causal=False``.
         mesh: the module or stage mesh; ``None`` or ``cp == 1`` runs
             :func:`causal_attention` directly (no ``shard_map``; GSPMD shards dp/tp).
         cp_axis: mesh axis that shards the sequence.
@@ -402,6 +404,8 @@ def ring_attention(
             ``"allgather"`` (one all-gather of K/V; ``O(L)`` memory, lower latency).
         zigzag: ring only: skip the causally hidden half of each off-diagonal block.
             Only valid when every row of ``positions`` is ``zigzag_permutation(L, cp)``.
+        causal: False for bidirectional attention (encoders): every key is visible,
+            so the sequence may be split in plain contiguous order.
 
     Returns:
         ``[B, L, H, K]`` attention output, in the dtype of ``q``, sharded like ``q``.
@@ -415,6 +419,13 @@ def ring_attention(
     g = k_BxLxGxK.shape[2]
     if h % g:
         raise ValueError(f"ring_attention: {h} query heads is not a multiple of {g} kv heads")
+    if not causal:
+        if zigzag:
+            raise ValueError("ring_attention: zigzag block skipping needs causal=True")
+        # Equal positions make the mask ``q_pos >= k_pos`` all-true: bidirectional.
+        positions = jnp.zeros((seq,), jnp.int32)
+    elif positions is None:
+        raise ValueError("ring_attention: causal attention needs the tokens' positions")
     positions = jnp.asarray(positions, jnp.int32)
     if positions.shape not in ((seq,), (b, seq)):
         raise ValueError(

@@ -34,10 +34,11 @@ import numpy as np
 from hetjax import schedules as hs
 from hetjax.meshes import Layout, LayoutError, ModuleMesh, place_modules, validate_batch
 from hetjax.ops.ring_attention import zigzag_permutation
+from hetjax.ops.token_routing import token_routes
 from hetjax.runtime.graph import TrainGraph
 from hetjax.runtime.optim import OptimizerConfig
 from hetjax.runtime.programs import ParallelOptions, StageProgram, batch_sharding, put_global
-from hetjax.runtime.transfer import LinkTransfer, StageTransfer
+from hetjax.runtime.transfer import LinkTransfer, Route, StageTransfer
 
 Mode = Literal["colocated", "non-colocated", "homogeneous"]
 StageKey = tuple[str, int]  # (module name, pipeline stage index)
@@ -135,6 +136,15 @@ class Executor:
         # Multi-controller: every process walks the same ops; programs whose devices are
         # all remote are no-ops here; transfers are collectives on union meshes.
         self.multiprocess = jax.process_count() > 1
+        # Links into a cp > 1 module that merges them into placeholder positions deliver
+        # each cp rank only its own positions' tokens (the homogeneous baseline keeps
+        # stock behaviour: its encoders already sit on the LLM's devices).
+        self.routable: dict[tuple[str, str], tuple[str, int]] = {}
+        for l in graph.links:
+            dst = graph.module(l.dst)
+            slots = {name: (key, pid) for name, key, pid in dst.token_slots}
+            if mode != "homogeneous" and dst.layout.cp > 1 and l.name in slots:
+                self.routable[(l.src, l.dst)] = slots[l.name]
         self.programs: dict[StageKey, StageProgram] = {
             (spec.name, s): StageProgram(
                 spec,
@@ -156,6 +166,7 @@ class Executor:
                 src_stage=self.graph.module(l.src).layout.pp - 1,
                 dst_stage=0,
                 multiprocess=self.multiprocess,
+                routed=(l.src, l.dst) in self.routable,
             )
             for l in graph.links
         }
@@ -273,6 +284,31 @@ class Executor:
             out[k] = put_global(value, batch_sharding(prog.mesh, value.ndim, sequence=seq))
         return out
 
+    def _route(
+        self, cache: dict, batch: Mapping[str, np.ndarray], link: tuple[str, str], m: int, n: int
+    ) -> Route | None:
+        """Microbatch ``m``'s token routing on a routed ``link`` (``n`` tokens per sample).
+
+        Built on the first send of the step from the whole batch, so every microbatch of
+        the step uses one slot count ``K`` (one compiled shape). None when ``K == N``:
+        some rank needs whole images, so the replicated delivery costs no more."""
+        if link not in self.routable:
+            return None
+        if link not in cache:
+            key, placeholder = self.routable[link]
+            idx = token_routes(
+                np.asarray(batch[key]) == placeholder, n, self.graph.module(link[1]).layout.cp
+            )
+            size = len(idx) // self.microbatches
+            sharding = self.links[link].index_sharding
+            cache[link] = [
+                Route(put_global(idx[i * size : (i + 1) * size], sharding), n)
+                if idx.shape[2] < n
+                else None
+                for i in range(self.microbatches)
+            ]
+        return cache[link][m]
+
     def step(
         self, batch: Mapping[str, np.ndarray], *, profile: bool = False
     ) -> dict[str, jax.Array]:
@@ -291,6 +327,7 @@ class Executor:
         grads_in: dict[tuple[StageKey, int], Any] = {}  # output cotangents waiting for B
         grads_out: dict[tuple[StageKey, int], Any] = {}  # input cotangents for SEND_B
         data: dict[tuple[StageKey, int], Any] = {}
+        routes: dict[tuple[str, str], list[Route]] = {}  # token routing into cp > 1 modules
         losses = []
         phase = 0
         for op in self.ops:
@@ -342,9 +379,9 @@ class Executor:
                     inbox[(dst, m)] = self.stage_links[key].forward(y)
                 else:
                     link = next(l for l in g.links_into(dst[0]) if l.src == key[0])
-                    inbox.setdefault((dst, m), {})[link.name] = self.links[
-                        (key[0], dst[0])
-                    ].forward(y)
+                    pair = (key[0], dst[0])
+                    route = self._route(routes, batch, pair, m, y.shape[1])
+                    inbox.setdefault((dst, m), {})[link.name] = self.links[pair].forward(y, route)
             elif op.kind == "SEND_B":
                 gx, src = (grads_out.pop if op.last_send else grads_out.get)((key, m)), op.peer
                 self._guard(prog.devices | self.programs[src].devices)
@@ -352,7 +389,9 @@ class Executor:
                     g_src = self.stage_links[src].backward(gx)
                 else:
                     link = next(l for l in g.links_into(key[0]) if l.src == src[0])
-                    g_src = self.links[(src[0], key[0])].backward(gx[link.name])
+                    pair = (src[0], key[0])
+                    route = routes[pair][m] if pair in routes else None
+                    g_src = self.links[pair].backward(gx[link.name], route)
                 prev = grads_in.get((src, m))
                 grads_in[(src, m)] = g_src if prev is None else prev + g_src
                 self._in_flight(prog.devices | self.programs[src].devices, grads_in[(src, m)])

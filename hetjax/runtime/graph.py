@@ -40,7 +40,10 @@ class ModuleSpec:
     seq_inputs: tuple[str, ...] = ()  # batch keys with a sequence axis (dim 1): with cp > 1
     # they are stored load-balanced (zigzag) and split over cp, like the activations. A
     # module with cp > 1 and no sequence inputs (an encoder inheriting the LLM's CP, as in
-    # the homogeneous baseline) is replicated over its cp ranks.
+    # the homogeneous baseline) splits its own tokens over cp between blocks.
+    token_slots: tuple[tuple[str, str, int], ...] = ()  # (link input, sequence batch key,
+    # placeholder id): the link's tokens replace that id's positions in order. With
+    # cp > 1 each cp rank then receives only the tokens of the positions it stores.
 
     def __post_init__(self):
         if not self.parts:

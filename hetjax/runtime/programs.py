@@ -33,6 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 from hetjax.meshes import param_shardings
 from hetjax.ops.context import parallel_context
+from hetjax.ops.token_routing import Routed
 from hetjax.runtime.graph import ModuleSpec
 from hetjax.runtime.optim import OptimizerConfig, make_optimizer
 
@@ -211,8 +212,15 @@ class StageProgram:
         vmapped axis there, so sharding constraints must not name them). ``loss_scale``:
         d(loss)/d(summed loss), for auxiliary losses inside blocks (MoE balancing).
         """
+        routed = frozenset()
+        if isinstance(x, dict):  # link inputs routed to their cp ranks arrive marked
+            routed = frozenset(k for k, v in x.items() if isinstance(v, Routed))
+            x = {k: v.tokens if isinstance(v, Routed) else v for k, v in x.items()}
         with parallel_context(
-            self.mesh, batch_axes=self.batch_axes(per_replica), loss_scale=loss_scale
+            self.mesh,
+            batch_axes=self.batch_axes(per_replica),
+            loss_scale=loss_scale,
+            routed=routed,
         ):
             return self._apply(params, x, batch, per_replica)
 
@@ -242,6 +250,12 @@ class StageProgram:
             h = main.apply_post(mine["post"], h)
         for part in parts[1:]:
             h = part(params[part.name], h)
+        if self.mesh.shape["cp"] > 1:
+            # A module's output leaves batch-split and whole over cp (the boundary's
+            # source layout), so its cp ranks' token slices are gathered here.
+            h = jax.lax.with_sharding_constraint(
+                h, NamedSharding(self.mesh, P(self.batch_axes(per_replica)))
+            )
         return h
 
     def batch_axes(self, per_replica: bool) -> tuple[str, ...] | None:
@@ -251,12 +265,21 @@ class StageProgram:
         return ("ep",) if self.mesh.shape["ep"] > 1 else None
 
     def _carry_sharding(self, h: Any, *, batch_axes: Any) -> NamedSharding | None:
-        """Sequence parallelism: the residual stream between blocks is split on its
-        sequence axis over tp (and cp), so GSPMD turns the row-parallel all-reduce into a
-        reduce-scatter and gathers the sequence before the next column-parallel matmul."""
-        if not self.options.sequence_parallel or self.mesh.shape["tp"] == 1:
+        """The residual stream between blocks.
+
+        Context parallelism: the sequence axis is split over cp - for the LLM its inputs
+        already are; an encoder with cp > 1 (one that inherits the LLM's layout) splits
+        its tokens here, and its attention rings K/V over cp (it is not replicated).
+        Sequence parallelism: split over tp (and cp) too, so GSPMD turns the row-parallel
+        all-reduce into a reduce-scatter and gathers the sequence before the next
+        column-parallel matmul."""
+        cp = self.mesh.shape["cp"] > 1
+        if self.options.sequence_parallel and self.mesh.shape["tp"] > 1:
+            seq_axes = ("cp", "tp") if cp else "tp"
+        elif cp:
+            seq_axes = "cp"
+        else:
             return None
-        seq_axes = ("cp", "tp") if self.mesh.shape["cp"] > 1 else "tp"
         return NamedSharding(self.mesh, P(batch_axes, seq_axes, *([None] * (h.ndim - 2))))
 
     @property

@@ -15,11 +15,14 @@ issued by every process in the same order (processes owning none of its devices 
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 from jax.sharding import PartitionSpec as P
 
 from hetjax.boundary import Boundary, EdgeSpec, Endpoint, MultiProcessTransport
 from hetjax.meshes import ModuleMesh
+from hetjax.ops.token_routing import Routed, gather_routes, scatter_routes
 from hetjax.runtime.programs import BATCH_AXES, batch_sharding
 
 
@@ -52,8 +55,24 @@ class StageTransfer:
         return jax.device_put(ct, batch_sharding(self.src_mesh, ct.ndim, sequence=True))
 
 
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """One microbatch's token routing for a link into a ``cp > 1`` module."""
+
+    index: jax.Array  # [B, cp, K] int32 on the source stage, batch over dp; -1 = padding
+    num_tokens: int  # N: tokens per sample the source produces
+
+
 class LinkTransfer:
-    """The boundary communicator of one module link (``src`` last stage -> ``dst`` stage 0)."""
+    """The boundary communicator of one module link (``src`` last stage -> ``dst`` stage 0).
+
+    ``routed``: the destination has ``cp > 1`` and merges the tokens into placeholder
+    positions. When a step's :class:`Route` is given, each cp rank receives only the
+    tokens of the positions it stores (:mod:`hetjax.ops.token_routing`): the source
+    packs them per rank (a local gather), a second boundary delivers dim 1 split over cp
+    (marked :class:`Routed`), and the backward scatters the cotangents back (each token
+    went to exactly one rank). Without a route the tokens arrive replicated over cp.
+    """
 
     def __init__(
         self,
@@ -63,20 +82,36 @@ class LinkTransfer:
         src_stage: int,
         dst_stage: int,
         multiprocess: bool = False,
+        routed: bool = False,
     ):
         source = Endpoint.source(src, stage=src_stage)
         destination = Endpoint.destination(dst, stage=dst_stage)
         # The homogeneous baseline puts the encoder on the LLM's first stage with the same
         # layout: the activation is already where it must be, nothing to move.
         self.identity = source.sharding == destination.sharding
-        transport = MultiProcessTransport() if multiprocess else None
-        self.boundary = None
-        if not self.identity:
-            edge = EdgeSpec(source, destination)
-            self.boundary = Boundary(edge, transport) if transport else Boundary(edge)
+        self.transport = MultiProcessTransport() if multiprocess else None
+        self.boundary = None if self.identity else self._boundary(source, destination)
+        self.routed_boundary = None
+        if routed:
+            by_position = Endpoint.destination(dst, stage=dst_stage, shard_tokens=True)
+            self.routed_boundary = self._boundary(source, by_position)
+            self.index_sharding = source.sharding  # the route index lives with the source
+            self._gather = jax.jit(gather_routes, out_shardings=source.sharding)
+            self._scatter = jax.jit(
+                scatter_routes, static_argnums=(2,), out_shardings=source.sharding
+            )
 
-    def forward(self, x: jax.Array) -> jax.Array:
+    def _boundary(self, source: Endpoint, destination: Endpoint) -> Boundary:
+        edge = EdgeSpec(source, destination)
+        return Boundary(edge, self.transport) if self.transport else Boundary(edge)
+
+    def forward(self, x: jax.Array, route: Route | None = None) -> jax.Array | Routed:
+        if route is not None:
+            return Routed(self.routed_boundary.forward(self._gather(x, route.index)))
         return x if self.boundary is None else self.boundary.forward(x)
 
-    def backward(self, ct: jax.Array) -> jax.Array:
+    def backward(self, ct: jax.Array | Routed, route: Route | None = None) -> jax.Array:
+        if isinstance(ct, Routed):
+            ct = self.routed_boundary.backward(ct.tokens)
+            return self._scatter(ct, route.index, route.num_tokens)
         return ct if self.boundary is None else self.boundary.backward(ct)

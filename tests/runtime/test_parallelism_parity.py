@@ -23,14 +23,16 @@ and run in CI):
 
 - CP=2 colocated with TP (A), CP=2 non-colocated with PP and Fan-In 4 -> 1 (B), CP=4
   colocated with ZeRO-1 (C), CP=2 non-colocated with TP and sequence parallelism over
-  (cp, tp) (H); every encoder but the MoE one (F) is dp-only;
+  (cp, tp) (H), CP=4 non-colocated (I); in all of these the image tokens are routed to
+  the cp rank storing their positions (``hetjax.ops.token_routing``); every encoder but
+  the MoE one (F) is dp-only;
+- the homogeneous baseline of a CP=2, TP=2 LLM (J): the encoder inherits cp and tp, so
+  it splits its patch tokens over cp and runs bidirectional ring attention;
 - MoE LLM (``tiny-moe``, dropless): EP=2 with expert weights split over TP (D), EP=4
   non-colocated with ZeRO-1 on an ``ep``-only replica axis (E);
 - MoE vision encoder (``tiny-moe-enc``) with EP=4 (F);
 - sequence parallelism with TP=4 (G).
 
-Not covered: the homogeneous baseline with a ``cp > 1`` LLM cannot be built (the encoder
-would inherit cp, which ``ModuleSpec`` refuses; see ``test_parallelism_programs.py``).
 """
 
 from __future__ import annotations
@@ -144,6 +146,22 @@ CASES = [
         vision="dp=4",
         llm="cp=2,tp=2",
     ),
+    case(
+        "tiny",
+        "non-colocated",
+        2,
+        id="I-noncolocated-vis_dp4-llm_cp4-mb2",
+        vision="dp=4",
+        llm="cp=4",
+    ),
+    case(
+        "tiny",
+        "homogeneous",
+        1,
+        id="J-homogeneous-llm_dp2cp2tp2",
+        vision="dp=2,cp=2,tp=2",
+        llm="dp=2,cp=2,tp=2",
+    ),
 ]
 
 
@@ -255,10 +273,10 @@ def test_matrix_covers_the_requested_strategies():
         got["seqpar"] += "sequence_parallel" in c.options and llm.tp > 1
         if c.mode != "homogeneous":
             assert vision.tp == vision.cp == 1 or c.preset == "tiny-moe-enc", c
-    assert got["cp2"] >= 2 and got["cp4"] >= 1
+    assert got["cp2"] >= 2 and got["cp4"] >= 2
     assert got["llm_ep"] == {2, 4}
     assert got["vision_ep"] >= 1 and got["zero1"] >= 1 and got["seqpar"] >= 1
     modes = {(p.values[0].mode, p.values[0].parsed["llm"].cp > 1) for p in CASES}
-    assert {("colocated", True), ("non-colocated", True)} <= modes
+    assert {("colocated", True), ("non-colocated", True), ("homogeneous", True)} <= modes
     for moe in (get_preset("tiny-moe").llm.moe, get_preset("tiny-moe-enc").vision.moe):
         assert moe is not None and moe.capacity_factor is None  # dropless
