@@ -4,8 +4,9 @@
 
 The paper's case against one layout for the whole graph: an encoder that inherits the
 LLM's tensor parallelism pays all-reduces around tiny matmuls, and one that inherits
-context parallelism computes every image ``cp`` times over. This benchmark measures, on
-8 simulated CPU devices, the paper's layouts scaled down (model ``tiny`` or
+context parallelism splits a short patch sequence over cp ranks that must then pass K/V
+blocks around a ring in every layer, saving no memory worth having. This benchmark
+measures, on 8 simulated CPU devices, the paper's layouts scaled down (model ``tiny`` or
 ``tiny-moe``), each as the heterogeneous executor (colocated: the encoder ``dp=8``, the
 LLM its own layout) and as the homogeneous baseline (``mode="homogeneous"``: the encoder
 inherits the LLM's layout without PP):
@@ -17,10 +18,6 @@ inherits the LLM's layout without PP):
   as data parallelism - and tp=2).
 
 ``--quick`` (for the test) runs ``cp2`` only, with fewer timed steps (about a minute).
-
-The executor cannot build the homogeneous baseline of an LLM with ``cp > 1`` (the
-encoder would inherit cp, which ``ModuleSpec`` refuses); those rows are built with
-:func:`_homogeneous_graph_with_cp` and say so (``cp_inherited_via_patch``).
 
 One JSON row per (scenario, mode, module), with:
 
@@ -42,13 +39,10 @@ One JSON row per (scenario, mode, module), with:
   ``compute_time_s``: the module's F/B time in one profiled step (extra).
 
 Exits non-zero unless, in every scenario where the homogeneous encoder inherits
-``tp > 1`` or ``cp > 1``, the heterogeneous encoder moves fewer collective bytes.
-Measured: it holds wherever tp is inherited, and fails in ``cp4``, where the bytes are
-EQUAL - an encoder inheriting only cp has no collective of its own beyond the one
-gradient reduction per step, which moves the same buffer per device over dp=2 groups as
-over dp=8. Its cost is elsewhere: ``cp`` times the encoder compute and activation
-memory per device (``compute_time_s``, ``peak_bytes_per_device``). So the full run exits
-1 until the condition (or the claim) is revised; ``--quick`` does not run ``cp4``.
+``tp > 1`` or ``cp > 1``, the heterogeneous encoder moves fewer collective bytes. An
+encoder inheriting ``cp`` splits its patch tokens over cp and rings K/V blocks around
+its cp ranks in every layer (bidirectional ring attention), exactly as the LLM does -
+that is what inheriting a layout means here; ``dp=8`` instead needs no ring at all.
 """
 
 from __future__ import annotations
@@ -301,6 +295,7 @@ def recording(ex) -> Iterator[Recording]:
     bytes every link and stage transfer moves."""
     from experiments.bench_executor import abstract
     from hetjax.boundary import naive_device_put_bytes
+    from hetjax.ops.token_routing import Routed
     from hetjax.runtime.programs import batch_sharding
 
     rec = Recording()
@@ -326,12 +321,21 @@ def recording(ex) -> Iterator[Recording]:
         for direction in ("forward", "backward"):
 
             def make(fn, src=src, direction=direction, link=link):
-                def shim(x):
-                    if link.boundary is not None:
-                        plan = link.boundary.plan(x.shape, x.dtype)
+                def shim(x, route=None):
+                    # Routed tokens (into a cp > 1 LLM) take the by-position boundary.
+                    a = x.tokens if isinstance(x, Routed) else x
+                    boundary, shape = link.boundary, a.shape
+                    if isinstance(x, Routed):
+                        boundary = link.routed_boundary
+                    elif route is not None:
+                        boundary = link.routed_boundary
+                        _, cp, k = route.index.shape
+                        shape = (a.shape[0], cp * k, *a.shape[2:])
+                    if boundary is not None:
+                        plan = boundary.plan(shape, a.dtype)
                         plan = plan if direction == "forward" else plan.reverse()
                         rec.boundary[src] += _plan_bytes(plan)
-                    return fn(x)
+                    return fn(x, route)
 
                 return shim
 
@@ -386,49 +390,21 @@ def module_rows(ex, rec: Recording) -> dict[str, dict[str, Any]]:
 # -- one scenario ---------------------------------------------------------------------------
 
 
-def _homogeneous_graph_with_cp(graph):
-    """:func:`hetjax.runtime.executor.homogeneous_graph` that also lets an encoder inherit
-    ``cp > 1``, as stock Megatron does (every CP rank runs the encoder on the same images).
-
-    The executor's own version fails there: ``ModuleSpec`` refuses ``cp > 1`` for a
-    module without sequence inputs, so ``mode="homogeneous"`` cannot be built for an LLM
-    with ``cp > 1`` (a known gap). The stage programs handle such an encoder - its inputs
-    and output are replicated over ``cp`` - so the baseline is built by skipping only
-    that check.
-    """
-    sink = graph.module(graph.sink).layout
-    inherited = dataclasses.replace(sink, pp=1)
-    modules = []
-    for m in graph.modules:
-        if m.name != graph.sink:
-            m = dataclasses.replace(m, layout=dataclasses.replace(inherited, cp=1))
-            object.__setattr__(m, "layout", inherited)  # skips __post_init__'s cp check
-        modules.append(m)
-    return dataclasses.replace(graph, modules=tuple(modules))
-
-
 def build(scenario: Scenario, mode: str, work: dict):
     """The executor of ``scenario`` in ``mode`` (``colocated`` or ``homogeneous``)."""
-    from unittest import mock
-
     import hetjax
-    from hetjax.runtime import executor
 
     model, params = work[scenario.preset][:2]
     layouts = {k: hetjax.Layout.parse(v, module=k) for k, v in scenario.layouts.items()}
     model.validate_layouts(layouts)
-    patch = contextlib.nullcontext()
-    if mode == "homogeneous" and needs_patch(scenario):
-        patch = mock.patch.object(executor, "homogeneous_graph", _homogeneous_graph_with_cp)
-    with patch:
-        return hetjax.Executor(
-            model.train_graph(layouts),
-            params,
-            devices=work["devices"],
-            mode=mode,
-            microbatches=scenario.microbatches,
-            optimizer=hetjax.OptimizerConfig(total_steps=100, warmup_steps=0),
-        )
+    return hetjax.Executor(
+        model.train_graph(layouts),
+        params,
+        devices=work["devices"],
+        mode=mode,
+        microbatches=scenario.microbatches,
+        optimizer=hetjax.OptimizerConfig(total_steps=100, warmup_steps=0),
+    )
 
 
 def run(scenario: Scenario, mode: str, work: dict, steps: int) -> list[dict]:
@@ -459,18 +435,9 @@ def run(scenario: Scenario, mode: str, work: dict, steps: int) -> list[dict]:
                 step_time_s=statistics.median(times),
                 compute_time_s=compute[module],
                 llm_layout=scenario.layouts["llm"],
-                # homogeneous with an LLM cp > 1: built with _homogeneous_graph_with_cp
-                cp_inherited_via_patch=mode == "homogeneous" and needs_patch(scenario),
             )
         )
     return rows
-
-
-def needs_patch(scenario: Scenario) -> bool:
-    """Whether the homogeneous baseline of ``scenario`` needs ``_homogeneous_graph_with_cp``."""
-    from hetjax import Layout
-
-    return Layout.parse(scenario.layouts["llm"]).cp > 1
 
 
 def inherits_tp_or_cp(rows: list[dict], scenario: str) -> bool:

@@ -148,6 +148,26 @@ def test_matches_reference(layout, impl, zigzag, heads):
     assert_matches_reference(f, q, k, v, want)
 
 
+@pytest.mark.parametrize(
+    "layout, head_axis",
+    [(dict(cp=2), None), (dict(dp=2, cp=4), None), (dict(dp=2, cp=2, tp=2), "tp")],
+    ids=str,
+)
+def test_noncausal_ring_matches_bidirectional_attention(layout, head_axis):
+    """``causal=False``: contiguous split, no positions, every key visible (encoders)."""
+    q, k, v = qkv(seed=11)
+    want = value_and_grads(lambda q, k, v: attention(q, k, v, causal=False))(q, k, v)
+    mesh = stage_mesh(**layout)
+    f = lambda q, k, v: ring_attention(
+        q, k, v, None, mesh=mesh, causal=False, batch_axes=("dp",), head_axis=head_axis
+    )
+    assert_matches_reference(f, q, k, v, want)
+    with pytest.raises(ValueError, match="zigzag"):
+        ring_attention(q, k, v, None, mesh=mesh, causal=False, zigzag=True)
+    with pytest.raises(ValueError, match="positions"):
+        ring_attention(q, k, v, None, mesh=mesh, causal=True)
+
+
 def test_mask_follows_positions_not_storage_order():
     q, k, v, want = qkv_and_reference(seed=2)
     perm = np.random.default_rng(3).permutation(q.shape[1])

@@ -10,8 +10,9 @@ hit), parsed by :mod:`experiments.bench_comm` (loop trip counts included):
     all-reduces over tp in every layer;
 (b) a ``cp=2`` LLM never gathers the full sequence of an activation: the K/V ring is
     collective-permutes of ``L / cp`` blocks, and nothing over ``cp`` is ``[b, L, D]``;
-(c) the boundary into a ``cp > 1`` LLM delivers the image tokens REPLICATED over the cp
-    ranks of the LLM's first stage (see that test for the gap to a per-position split);
+(c) the boundary into a ``cp > 1`` LLM delivers each cp rank only the image tokens of
+    the positions it stores (routed), and an encoder inheriting ``cp`` splits its own
+    tokens over cp and rings K/V;
 (d) ZeRO-1 keeps ``1 / dp`` of the Adam moments per device and its DP reduction is a
     reduce-scatter (on XLA:CPU: the all-reduce + dynamic-slice it is made of);
 (e) sequence parallelism removes the TP all-reduces of ``[b, L, D]`` activations and
@@ -42,6 +43,7 @@ import hetjax
 from experiments.bench_comm import Collective, collectives, recording, varied_axes
 from hetjax import Layout
 from hetjax.ops.ring_attention import zigzag_permutation
+from hetjax.ops.token_routing import Routed, owner_rank
 from models import tokenizer
 from models.config import get_preset
 from models.data import DataConfig, SyntheticLlava
@@ -58,6 +60,8 @@ RUNS = {
     "het_tp4_zero1_sp": ("colocated", "dp=2,tp=4", ("zero1", "sequence_parallel")),
     "hom_tp4": ("homogeneous", "dp=2,tp=4", ()),
     "het_cp2": ("colocated", "dp=2,cp=2,tp=2", ()),
+    "het_cp4": ("colocated", "dp=2,cp=4", ()),
+    "hom_cp2": ("homogeneous", "dp=2,cp=2,tp=2", ()),
 }
 
 
@@ -168,14 +172,22 @@ def test_heterogeneous_encoder_moves_fewer_collective_bytes(runs):
     assert total(runs("het_tp4")) < total(runs("hom_tp4"))
 
 
-def test_homogeneous_baseline_with_a_cp_llm_replicates_the_encoder_over_cp(tiny):
-    """``mode="homogeneous"`` gives encoders the LLM's layout including ``cp`` (stock
-    Megatron): the encoder has no sequence inputs, so it is replicated over its cp ranks
-    on the LLM's first stage."""
-    ex = make_executor(tiny, "homogeneous", "dp=2,cp=2,tp=2")
-    vision = ex.graph.module("vision")
-    assert vision.layout.cp == 2 and not vision.seq_inputs
-    assert ex.programs[("vision", 0)].mesh.shape["cp"] == 2
+@pytest.mark.slow
+def test_encoder_inheriting_cp_splits_its_tokens_and_rings_kv(runs):
+    """``mode="homogeneous"`` gives encoders the LLM's layout including ``cp``: the
+    encoder splits its ``N`` patch tokens over cp between blocks and its bidirectional
+    attention passes ``N / cp`` K/V blocks around a ring (it is not replicated)."""
+    run = runs("hom_cp2")
+    mesh = run.mesh("vision")
+    assert mesh.shape["cp"] == 2 and not run.ex.graph.module("vision").seq_inputs
+    for program in ("fwd", "bwd"):
+        ring = [
+            c
+            for c in run.collectives("vision", program)
+            if c.kind == "collective-permute" and varied_axes(c, mesh) == {"cp"}
+        ]
+        assert executions(ring) >= CFG.vision.depth, program
+        assert all(N // 2 in s and N not in s for c in ring for s in c.shapes), program
 
 
 # -- (b) context parallelism ------------------------------------------------------------------
@@ -224,54 +236,68 @@ def image_slots_per_cp_rank(tokens_BxL: np.ndarray, cp: int) -> np.ndarray:
 
 
 @pytest.mark.slow
-def test_boundary_into_cp_llm_replicates_image_tokens_over_cp(runs, tiny):
-    """What the link into a ``cp > 1`` LLM moves, per microbatch of image tokens
-    ``[B, N, D]`` (float32):
-
-    - colocated (vision ``dp=8`` -> LLM ``dp=2,cp=2,tp=2`` on the same 8 devices): one
-      traced all-gather among the shared devices; every device of the LLM gets ALL ``N``
-      tokens of its ``B / dp`` samples - replicated over its cp (and tp) group;
-    - non-colocated (vision ``dp=4`` island -> LLM ``cp=2,pp=2`` island): each byte
-      crosses islands once, to the lane leader, which broadcasts it to the other cp rank.
-
-    GAP (not done): the issue asked that each cp rank receive only the modality tokens
-    at its OWN sequence positions. The destination layout is ``P(("dp", "ep"))`` - nothing
-    over cp - because the LLM's ``pre`` merges tokens into placeholders with a gather
-    that expects all of a sample's tokens on every rank. A rank needs the tokens at its
-    zigzag positions only: summed over the cp ranks that is ``N`` per sample, while
-    ``cp * N`` is delivered, so the boundary moves ``cp`` times the necessary bytes into
-    each lane (and the colocated all-gather as much more).
-    """
+def test_boundary_into_cp_llm_moves_only_each_ranks_own_positions(runs, tiny):
+    """Colocated vision ``dp=8`` -> LLM ``dp=2,cp=4``: each image of ``tiny`` (``N = 16``
+    tokens at positions 1..16 of ``L = 64``) spans zigzag chunks 0-2, so the cp ranks need
+    7, 8, 1 and 0 of its tokens; routed, each rank gets ``K = 8`` slots - its own tokens
+    and zero padding, nothing of another rank's - instead of all 16."""
     _, _, batch = tiny
-    shape, dtype = (GLOBAL_BATCH, N, D), np.float32
-    nbytes = int(np.prod(shape)) * 4
+    run = runs("het_cp4")
+    ex, pair = run.ex, ("vision", "llm")
+    mesh = run.mesh("llm")
+    cp, dp = mesh.shape["cp"], mesh.shape["dp"] * mesh.shape["ep"]
+    needed = image_slots_per_cp_rank(batch["tokens"], cp)
+    assert (needed.sum(1) == N).all() and needed.max() < N
 
-    # Colocated.
-    ex = runs("het_cp2").ex
-    llm = ex.programs[("llm", 0)].mesh
-    cp, dp = llm.shape["cp"], llm.shape["dp"] * llm.shape["ep"]
-    plan = ex.links[("vision", "llm")].boundary.plan(shape, dtype)
-    assert plan.edge.dst.sharding.spec == P(("dp", "ep"))  # nothing over cp
-    assert plan.edge.dst.sharding.shard_shape(shape) == (GLOBAL_BATCH // dp, N, D)
-    assert (plan.mode, plan.local.kind, plan.cross_island_bytes) == ("traced", "all_gather", 0)
-    have = GLOBAL_BATCH // 8  # each device's vision (dp=8) slice, already local
-    assert plan.local_collective_bytes == 8 * (GLOBAL_BATCH // dp - have) * N * D * 4
-
-    # Non-colocated (construction only: plans need no step).
-    nc = make_executor(
-        tiny, "non-colocated", "cp=2,pp=2", vision="dp=4", islands={"vision": 4, "llm": 4}
+    # Mark every image token with its sample and index and send it through the link.
+    marks = np.arange(GLOBAL_BATCH * N, dtype=np.float32).reshape(GLOBAL_BATCH, N, 1) + 1
+    src = ex.programs[("vision", 0)].mesh
+    y = jax.device_put(
+        np.broadcast_to(marks, (GLOBAL_BATCH, N, D)).copy(),
+        jax.sharding.NamedSharding(src, P(("dp", "ep"))),
     )
-    plan = nc.links[("vision", "llm")].boundary.plan(shape, dtype)
-    assert plan.mode == "copies" and plan.cross_island_bytes == nbytes  # crosses once
-    assert [len(lane.devices) for lane in plan.lanes] == [cp]  # dp=1: one lane of cp ranks
-    assert plan.local.kind == "broadcast" and plan.local.axes == ("cp",)
-    assert plan.local.nbytes == (cp - 1) * nbytes
+    route = ex._route({}, batch, pair, 0, N)
+    assert route is not None
+    k = route.index.shape[2]
+    assert k == needed.max() < N
+    got = ex.links[pair].forward(y, route)
+    assert isinstance(got, Routed)
+    got = got.tokens
+    assert got.sharding.spec == P(("dp", "ep"), "cp")
+    assert got.sharding.shard_shape(got.shape) == (GLOBAL_BATCH // dp, k, D)
 
-    # The gap, in tokens: delivered per lane = cp * N per sample; needed = N per sample.
-    needed = image_slots_per_cp_rank(batch["tokens"][:, :L], cp)
-    assert (needed.sum(1) == N).all()  # every image token sits on exactly one cp rank
-    delivered = np.full_like(needed, N)
-    assert delivered.sum() == cp * needed.sum()
+    owner = owner_rank(L, cp)
+    coords = {d: idx for idx, d in np.ndenumerate(mesh.devices)}
+    names = mesh.axis_names
+    for shard in got.addressable_shards:
+        r = coords[shard.device][names.index("cp")]
+        rows = range(GLOBAL_BATCH)[shard.index[0]]
+        for i, row in enumerate(rows):
+            slots = np.flatnonzero(batch["tokens"][row] == tokenizer.PLACEHOLDERS["image"])
+            mine = [marks[row, j, 0] for j, pos in enumerate(slots) if owner[pos] == r]
+            want = np.zeros(k, np.float32)
+            want[: len(mine)] = mine
+            np.testing.assert_array_equal(np.asarray(shard.data)[i, :, 0], want)
+
+    # Bytes into the LLM's devices: cp * K tokens per sample instead of cp * N.
+    plan = ex.links[pair].routed_boundary.plan(got.shape, np.float32)
+    whole = ex.links[pair].boundary.plan((GLOBAL_BATCH, N, D), np.float32)
+    assert plan.local_collective_bytes < whole.local_collective_bytes
+    assert plan.local_collective_bytes == pytest.approx(
+        whole.local_collective_bytes * k / N, rel=0.2
+    )
+
+
+@pytest.mark.slow
+def test_single_image_per_rank_falls_back_to_replicated_delivery(runs, tiny):
+    """With ``cp = 2`` one rank stores 15 of the 16 image positions: routed slots would
+    be as large as the image, so the link delivers it replicated over cp (as before)."""
+    _, _, batch = tiny
+    ex = runs("het_cp2").ex
+    assert image_slots_per_cp_rank(batch["tokens"], 2).max() == N - 1
+    assert ex._route({}, batch, ("vision", "llm"), 0, N) is None
+    plan = ex.links[("vision", "llm")].boundary.plan((GLOBAL_BATCH, N, D), np.float32)
+    assert plan.edge.dst.sharding.spec == P(("dp", "ep"))
 
 
 # -- (d) ZeRO-1 ----------------------------------------------------------------------------
