@@ -181,7 +181,8 @@ class EncoderBlock(nnx.Module):
     def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
         b, l, d = x_BxLxD.shape
         # qkv output is laid out [H, 3, K] so a TP split over "heads" keeps whole heads.
-        qkv = self.qkv(self.norm1(x_BxLxD)).reshape(b, l, self.heads, 3, d // self.heads)
+        h = parallel.enter_tensor_parallel(self.norm1(x_BxLxD))
+        qkv = self.qkv(h).reshape(b, l, self.heads, 3, d // self.heads)
         q, k, v = qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]
         ctx = parallel.current()
         if ctx is not None and ctx.cp > 1:
@@ -193,11 +194,11 @@ class EncoderBlock(nnx.Module):
         else:
             a = attention(q, k, v, causal=False)
         a = a.reshape(b, l, d)
-        x_BxLxD = x_BxLxD + self.out(a)
-        h = self.norm2(x_BxLxD)
+        x_BxLxD = x_BxLxD + parallel.exit_tensor_parallel(self.out(a))
+        h = parallel.enter_tensor_parallel(self.norm2(x_BxLxD))
         if self.moe is not None:
-            return x_BxLxD + self.moe(h)
-        return x_BxLxD + self.down(jax.nn.gelu(self.up(h)))
+            return x_BxLxD + parallel.exit_tensor_parallel(self.moe(h))
+        return x_BxLxD + parallel.exit_tensor_parallel(self.down(jax.nn.gelu(self.up(h))))
 
 
 class DecoderBlock(nnx.Module):
@@ -238,19 +239,24 @@ class DecoderBlock(nnx.Module):
         # Under context parallelism the sequence is stored load-balanced (permuted):
         # RoPE and the causal mask use each element's ORIGINAL position.
         positions_L = jnp.arange(l) if ctx is None else jnp.asarray(ctx.positions(l))
-        h = self.attn_norm(x_BxLxD)
-        q = apply_rope(self.q(h).reshape(b, l, self.heads, kd), positions_L, self.rope_theta)
-        k = apply_rope(self.k(h).reshape(b, l, self.kv_heads, kd), positions_L, self.rope_theta)
-        v = self.v(h).reshape(b, l, self.kv_heads, kd)
+        h = parallel.enter_tensor_parallel(self.attn_norm(x_BxLxD))
+        tp = parallel.tensor_parallel_activation  # heads (dim 2) stay split over tp
+        q = tp(self.q(h).reshape(b, l, self.heads, kd), 2)
+        k = tp(self.k(h).reshape(b, l, self.kv_heads, kd), 2)
+        v = tp(self.v(h).reshape(b, l, self.kv_heads, kd), 2)
+        q = apply_rope(q, positions_L, self.rope_theta)
+        k = apply_rope(k, positions_L, self.rope_theta)
         if ctx is not None and ctx.cp > 1:
             a = ring_attention(
                 q, k, v, positions_L, mesh=ctx.mesh, batch_axes=ctx.batch_axes, zigzag=True
             )
         else:
             a = attention(q, k, v, causal=True)
-        a = a.reshape(b, l, self.heads * kd)
-        x_BxLxD = x_BxLxD + self.o(a)
-        h = self.mlp_norm(x_BxLxD)
+        a = tp(a.reshape(b, l, self.heads * kd), 2)
+        x_BxLxD = x_BxLxD + parallel.exit_tensor_parallel(self.o(a))
+        h = parallel.enter_tensor_parallel(self.mlp_norm(x_BxLxD))
         if self.moe is not None:
-            return x_BxLxD + self.moe(h)
-        return x_BxLxD + self.down(jax.nn.silu(self.gate(h)) * self.up(h))
+            return x_BxLxD + parallel.exit_tensor_parallel(self.moe(h))
+        hidden = jax.nn.silu(self.gate(h)) * self.up(h)
+        y = self.down(parallel.tensor_parallel_activation(hidden, 2))
+        return x_BxLxD + parallel.exit_tensor_parallel(y)

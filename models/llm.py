@@ -20,6 +20,7 @@ from flax import nnx
 
 from hetjax.modules import StagedModule
 from hetjax.ops import context as parallel
+from hetjax.ops.embedding import vocab_parallel_lookup
 from hetjax.ops.token_routing import merge_routed
 from models.config import LLMConfig
 from models.layers import DecoderBlock, Dense, RMSNorm, normal_param
@@ -59,7 +60,18 @@ class TokenEmbed(nnx.Module):
         self.dtype = dtype
 
     def __call__(self, tokens_BxL: jax.Array, **modality_BxNxD: jax.Array) -> jax.Array:
-        h_BxLxD = jnp.take(self.table[...], tokens_BxL, axis=0).astype(self.dtype)
+        ctx = parallel.current()
+        if ctx is not None and ctx.sequence_sharding(3, split=False) is not None:
+            # Sequence parallelism: GSPMD would gather the whole table; look up in place.
+            h_BxLxD = vocab_parallel_lookup(
+                self.table[...],
+                tokens_BxL,
+                mesh=ctx.mesh,
+                batch_axes=ctx.batch_axes,
+                seq_axis="cp" if ctx.cp > 1 else None,
+            ).astype(self.dtype)
+        else:
+            h_BxLxD = jnp.take(self.table[...], tokens_BxL, axis=0).astype(self.dtype)
         for modality, tokens_BxNxD in sorted(modality_BxNxD.items()):
             if modality not in self.placeholders:
                 raise ValueError(
@@ -87,7 +99,9 @@ class LMHeadLoss(nnx.Module):
         self.head = Dense(cfg.width, cfg.vocab, axes=("embed", "vocab"), rngs=rngs, dtype=dtype)
 
     def logits(self, h_BxLxD: jax.Array) -> jax.Array:
-        return self.head(self.norm(h_BxLxD)).astype(jnp.float32)
+        h_BxLxD = parallel.enter_tensor_parallel(self.norm(h_BxLxD))
+        logits_BxLxV = self.head(h_BxLxD).astype(jnp.float32)
+        return parallel.tensor_parallel_activation(logits_BxLxV, 2)  # vocab over tp
 
     def __call__(
         self, h_BxLxD: jax.Array, targets_BxL: jax.Array, mask_BxL: jax.Array

@@ -16,8 +16,9 @@ import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
+import jax
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 _CURRENT: contextvars.ContextVar[ParallelContext | None] = contextvars.ContextVar(
     "hetjax_parallel_context", default=None
@@ -34,6 +35,7 @@ class ParallelContext:
     # Modality inputs delivered routed: each cp rank got only the tokens of the
     # placeholders it stores (``hetjax.ops.token_routing``), not the whole image.
     routed: frozenset[str] = frozenset()
+    sequence_parallel: bool = False  # Megatron SP: residual stream split on sequence over tp
 
     def positions(self, seq_len: int) -> np.ndarray:
         """Original position of each stored sequence element. With ``cp > 1`` sequences
@@ -46,6 +48,20 @@ class ParallelContext:
 
     def _size(self, axis: str) -> int:
         return 1 if self.mesh is None else self.mesh.shape[axis]
+
+    def sequence_sharding(self, ndim: int, *, split: bool) -> NamedSharding | None:
+        """Sequence parallelism's two activation layouts ``[B, L, ...]``: ``split`` - the
+        sequence over (cp, tp), the residual stream between TP regions; not split - the
+        sequence over cp only (whole over tp), the input of a column-parallel matmul.
+        None when sequence parallelism is off or ``tp == 1``."""
+        if not self.sequence_parallel or self.tp == 1:
+            return None
+        if split:
+            seq = ("cp", "tp") if self.cp > 1 else "tp"
+        else:
+            seq = "cp" if self.cp > 1 else None
+        batch = tuple(self.batch_axes) if self.batch_axes else None
+        return NamedSharding(self.mesh, PartitionSpec(batch, seq, *([None] * (ndim - 2))))
 
     @property
     def cp(self) -> int:
@@ -67,10 +83,10 @@ def parallel_context(
     batch_axes: tuple[str, ...] | None,
     loss_scale: Any = None,
     routed: frozenset[str] = frozenset(),
+    sequence_parallel: bool = False,
 ) -> Iterator[ParallelContext]:
-    """Makes ``ParallelContext(mesh, batch_axes, loss_scale, routed)`` current while
-    tracing."""
-    ctx = ParallelContext(mesh, batch_axes, loss_scale, frozenset(routed))
+    """Makes a :class:`ParallelContext` of these fields current while tracing."""
+    ctx = ParallelContext(mesh, batch_axes, loss_scale, frozenset(routed), sequence_parallel)
     token = _CURRENT.set(ctx)
     try:
         yield ctx
@@ -81,3 +97,39 @@ def parallel_context(
 def current() -> ParallelContext | None:
     """The innermost active context, or None outside any stage program."""
     return _CURRENT.get()
+
+
+def _constrain(x: jax.Array, *, split: bool) -> jax.Array:
+    ctx = current()
+    sharding = None if ctx is None else ctx.sequence_sharding(x.ndim, split=split)
+    return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
+
+
+def enter_tensor_parallel(x_BxLxD: jax.Array) -> jax.Array:
+    """Call on the (normalised) input of a column-parallel region. With sequence
+    parallelism it all-gathers the sequence over tp (Megatron's ``g``); else a no-op.
+
+    Without this mark GSPMD may instead all-gather the tp-sharded WEIGHTS to meet a
+    sequence-split input - correct, but not sequence parallelism."""
+    return _constrain(x_BxLxD, split=False)
+
+
+def tensor_parallel_activation(x: jax.Array, dim: int) -> jax.Array:
+    """Call on an activation inside a TP region (heads or MLP hidden units on ``dim``).
+    With sequence parallelism it pins ``dim`` over tp and the sequence whole over tp, so
+    GSPMD keeps the weights local instead of re-sharding activations on sequence;
+    else a no-op."""
+    ctx = current()
+    sharding = None if ctx is None else ctx.sequence_sharding(x.ndim, split=False)
+    if sharding is None:
+        return x
+    spec = list(sharding.spec) + [None] * (x.ndim - len(sharding.spec))
+    spec[dim] = "tp"
+    return jax.lax.with_sharding_constraint(x, NamedSharding(sharding.mesh, PartitionSpec(*spec)))
+
+
+def exit_tensor_parallel(y_BxLxD: jax.Array) -> jax.Array:
+    """Call on the output of a row-parallel matmul (before the residual add). With
+    sequence parallelism its partial sums are reduce-scattered over tp onto the sequence
+    (Megatron's ``g-bar``) instead of all-reduced; else a no-op."""
+    return _constrain(y_BxLxD, split=True)

@@ -221,6 +221,7 @@ class StageProgram:
             batch_axes=self.batch_axes(per_replica),
             loss_scale=loss_scale,
             routed=routed,
+            sequence_parallel=self.options.sequence_parallel,
         ):
             return self._apply(params, x, batch, per_replica)
 

@@ -32,6 +32,7 @@ all but the first encoder check are ``slow`` (CI runs them).
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections import defaultdict
 
 import jax
@@ -361,38 +362,70 @@ def tp_collectives(run: Run, kind: str) -> list[Collective]:
     ]
 
 
+def only_kept_split(hlo: str, name: str, tp: int) -> bool:
+    """Whether every use of instruction ``name`` (through ``get-tuple-element``) outputs
+    at most ``1 / tp`` of an element of its result - i.e. an all-reduce whose result is
+    only ever sliced down to this rank's part: XLA:CPU's form of a reduce-scatter (the
+    slices fuse into the consumers, so we look at the consumers' output sizes)."""
+    lines = [line.split("=", 1) for line in hlo.splitlines() if "=" in line]
+
+    def elements(rhs: str) -> int:  # of the first array shape, e.g. "f32[1,4,16,64]{...}"
+        dims = re.match(r"\s*\(?\w+\[([\d,]*)\]", rhs).group(1)
+        return int(np.prod([int(d) for d in dims.split(",") if d]))
+
+    whole = next(elements(rhs) for lhs, rhs in lines if lhs.split()[-1] == name)
+    frontier, uses = [name], 0
+    while frontier:
+        ref = re.compile(re.escape(frontier.pop()) + r"[,)\s]")
+        for lhs, rhs in lines:
+            if not ref.search(rhs):
+                continue
+            if "get-tuple-element(" in rhs:
+                frontier.append(lhs.split()[-1])
+                continue
+            uses += 1
+            if elements(rhs) * tp > whole:
+                return False
+    return uses > 0
+
+
 @pytest.mark.slow
-def test_sequence_parallel_replaces_activation_all_reduces_with_gathers(runs):
+def test_sequence_parallel_reduce_scatters_and_gathers_activations(runs):
+    """Megatron's sequence parallelism: around each TP region the sequence-split residual
+    stream is all-gathered (``g``) and the row-parallel partial sums are reduce-scattered
+    back onto the sequence (``g-bar``) - no full-sequence activation is all-reduced and
+    kept whole. Plain TP all-reduces them instead."""
     plain, sp = runs("het_tp4"), runs("het_tp4_zero1_sp")
     b = GLOBAL_BATCH // plain.mesh("llm").shape["dp"]
     depth = CFG.llm.depth
 
-    def activation_all_reduces(run):
+    def activation(run, kind):
         return [
             c
-            for c in tp_collectives(run, "all-reduce")
+            for c in tp_collectives(run, kind)
             if any(is_full_sequence_activation(s, b) for s in c.shapes)
         ]
 
     # Plain TP: the row-parallel outputs (attention out, MLP down) are all-reduced over tp
     # in every layer, in the recomputed forward and again for the input gradients.
-    assert executions(activation_all_reduces(plain)) >= 2 * depth
+    hlo, tp = plain.hlo("llm", "bwd"), plain.mesh("llm").shape["tp"]
+    assert executions(activation(plain, "all-reduce")) >= 2 * depth
+    split = [only_kept_split(hlo, c.line.split()[0], tp) for c in activation(plain, "all-reduce")]
+    assert not any(split)
     assert not tp_collectives(plain, "all-gather")
-    # Sequence parallel: no full-sequence activation is all-reduced; tp all-gathers appear.
-    assert not [c.line for c in activation_all_reduces(sp)]
-    assert tp_collectives(sp, "all-gather")
+    # Sequence parallel: the same sums become reduce-scatters (on XLA:CPU: all-reduce +
+    # dynamic-slice), forward (2 per layer) and backward (2 per layer); the inputs of the
+    # column-parallel matmuls are all-gathered, forward and backward.
+    hlo = sp.hlo("llm", "bwd")
+    scatters = activation(sp, "reduce-scatter")
+    for c in activation(sp, "all-reduce"):
+        assert only_kept_split(hlo, c.line.split()[0], tp), c.line
+        scatters.append(c)
+    assert executions(scatters) >= 4 * depth
+    assert executions(activation(sp, "all-gather")) >= 4 * depth
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="GSPMD does not produce Megatron sequence parallelism here: with only the "
-    "block-boundary carry constrained to [b, L/tp, D], it all-gathers the tp-sharded "
-    "WEIGHTS over tp (and all-reduces full weight gradients over tp) instead of "
-    "all-gathering the activations before the column-parallel matmuls and "
-    "reduce-scattering after the row-parallel ones",
-)
 def test_sequence_parallel_gathers_activations_not_weights(runs):
     sp = runs("het_tp4_zero1_sp")
     params = sp.ex.params[("llm", 0)]
