@@ -371,6 +371,8 @@ def _heterogeneous(config, model, init_params, opt_cfg, devices):
     graph = model.train_graph(layouts)
     # Before parameters exist, so a bad batch fails without compiling anything.
     effective = homogeneous_graph(graph) if mode == "homogeneous" else graph
+    if mode == "homogeneous":  # the encoders' inherited layouts must fit them too
+        model.validate_layouts({m.name: m.layout for m in effective.modules if m.name != "llm"})
     check_batch(effective, config.global_batch, config.microbatches)
     trainer = hetjax.Executor(
         graph,

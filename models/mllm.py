@@ -159,4 +159,5 @@ class MLLM:
                     layers=c.depth,
                     mlp=c.mlp,
                     experts=c.moe.num_experts if c.moe else None,
+                    seq=c.num_tokens,  # an encoder with cp > 1 splits its tokens over cp
                 )

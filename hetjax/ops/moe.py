@@ -20,13 +20,16 @@ assignment beyond an expert's capacity is dropped: it contributes zero to the Mo
 dropless: ``C = T`` so nothing is ever dropped, and results are identical (up to float
 reordering) for every layout.
 
-Dispatch is GShard's: one-hot ``dispatch [T, E, C]`` and ``combine [T, E, C]`` (gates)
-tensors and einsums. Without a mesh (or ``ep == 1``) that is the whole computation. With
-``ep > 1`` it runs in a ``jax.shard_map``: each rank routes ITS tokens (batch sharded over
-``batch_axes``, sequence over ``seq_axis``), fills ``[E, C_local, D]`` buffers,
-``all_to_all`` over ``ep_axis`` sends each expert's buffer to the rank that owns it (rank
-``i`` owns experts ``[i*E/ep, (i+1)*E/ep)``), the local experts run on what arrived from
-all ``ep`` ranks, a second ``all_to_all`` returns the outputs, and each rank combines.
+Dispatch fills GShard's ``[E, C, D]`` expert buffers by index (a scatter of each kept
+(token, choice) to its (expert, slot); combine is the matching gather weighted by the
+gates) - the same maths as GShard's one-hot ``[T, E, C]`` dispatch/combine einsums
+without their ``O(T E C)`` tensors. Without a mesh (or ``ep == 1``) that is the whole
+computation. With ``ep > 1`` it runs in a ``jax.shard_map``: each rank routes ITS tokens
+(batch sharded over ``batch_axes``, sequence over ``seq_axis``), fills ``[E, C_local, D]``
+buffers, ``all_to_all`` over ``ep_axis`` sends each expert's buffer to the rank that owns
+it (rank ``i`` owns experts ``[i*E/ep, (i+1)*E/ep)``), the local experts run on what
+arrived from all ``ep`` ranks, a second ``all_to_all`` returns the outputs, and each rank
+combines.
 
 Capacity with a mesh is per (source rank, expert): ``C_local`` is computed from the
 rank's own token count, so expert ``e`` receives at most ``ranks * C_local`` (about the
@@ -35,8 +38,9 @@ differs from the no-mesh run. Dropless results equal the no-mesh ones. Expert we
 may also be sharded over ``tp_axis`` on their ``F`` dimension (``"mlp"``); the partial
 down-projections are summed over ``tp_axis`` before the return ``all_to_all``.
 
-The one-hot tensors cost ``O(T * E * C)`` memory (``O(T^2 E)`` dropless): this is the
-reference formulation, meant for modest per-rank token counts.
+Memory is the buffers' ``O(E * C * D)``; dropless (``C = T``) that is ``O(T E D)``,
+linear in the tokens. (A grouped-GEMM kernel over tokens sorted by expert would avoid the
+padding to ``C``; plain XLA has none.)
 
 Shape key: B batch, L sequence, D width, F expert hidden width, E experts, T tokens,
 C capacity (slots per expert), K top-k.
@@ -87,24 +91,38 @@ def route(
     return top_TxK, experts_TxK, probs_TxE
 
 
-def _dispatch_combine(
-    gates_TxK: jax.Array, experts_TxK: jax.Array, num_experts: int, capacity: int, dtype: Any
-) -> tuple[jax.Array, jax.Array]:
-    """GShard one-hot ``dispatch_TxExC`` (0/1) and ``combine_TxExC`` (gate) tensors."""
+def _slots(experts_TxK: jax.Array, num_experts: int, capacity: int):
+    """GShard slot assignment: ``slot_KxT`` (position of token ``t``'s ``k``-th choice in
+    its expert's buffer) and ``keep_KxT`` (within capacity). Priority is slot-major:
+    every token's first choice before any second choice."""
     t, k = experts_TxK.shape
     onehot_KxTxE = jax.nn.one_hot(experts_TxK.T, num_experts, dtype=jnp.int32)
-    # Priority: slot-major (every token's first choice before any second choice).
     slot_KTxE = jnp.cumsum(onehot_KxTxE.reshape(k * t, num_experts), axis=0) - 1
     slot_KxT = jnp.sum(slot_KTxE.reshape(k, t, num_experts) * onehot_KxTxE, axis=-1)
-    keep_KxT = slot_KxT < capacity
-    sel_KxTxExC = (
-        onehot_KxTxE[..., None].astype(jnp.float32)
-        * jax.nn.one_hot(slot_KxT, capacity, dtype=jnp.float32)[:, :, None, :]
-        * keep_KxT[..., None, None]
-    )
-    dispatch_TxExC = jnp.sum(sel_KxTxExC, axis=0).astype(dtype)
-    combine_TxExC = jnp.einsum("ktec,tk->tec", sel_KxTxExC, gates_TxK.astype(jnp.float32))
-    return dispatch_TxExC, combine_TxExC
+    return slot_KxT, slot_KxT < capacity
+
+
+def _dispatch(x_TxD, experts_TxK, slot_KxT, keep_KxT, num_experts: int, capacity: int):
+    """``[E, C, D]`` expert buffers: token ``t`` at ``(expert, slot)`` of each kept choice.
+
+    A scatter by index - ``O(T k D)`` work - where the one-hot einsum it replaces costs
+    ``O(T E C D)`` (``O(T^2 E D)`` dropless). Every kept (expert, slot) is unique, so the
+    scatter-add writes each slot once (bit-identical to the one-hot form) and its
+    transpose is a gather. Dropped choices point past the buffer and are dropped.
+    """
+    k, t = slot_KxT.shape
+    expert_KxT = jnp.where(keep_KxT, experts_TxK.T, num_experts)
+    x_KxTxD = jnp.broadcast_to(x_TxD, (k, t, x_TxD.shape[-1]))
+    buf = jnp.zeros((num_experts, capacity, x_TxD.shape[-1]), x_TxD.dtype)
+    return buf.at[expert_KxT, slot_KxT].add(x_KxTxD, mode="drop")
+
+
+def _combine(out_ExCxD, gates_TxK, experts_TxK, slot_KxT, keep_KxT):
+    """``y[t] = sum_k gate[t, k] * out[expert[t, k], slot[k, t]]`` over kept choices."""
+    e, c, _ = out_ExCxD.shape
+    got_KxTxD = out_ExCxD[jnp.clip(experts_TxK.T, 0, e - 1), jnp.clip(slot_KxT, 0, c - 1)]
+    w_KxT = jnp.where(keep_KxT, gates_TxK.T.astype(jnp.float32), 0.0).astype(out_ExCxD.dtype)
+    return jnp.sum(w_KxT[..., None] * got_KxTxD, axis=0)
 
 
 def _swiglu_experts(gate_ExDxF, up_ExDxF, down_ExFxD, x_ExCxD):
@@ -134,12 +152,10 @@ def _moe_tokens(
         x_TxD, params["router"], top_k=top_k, renormalize=renormalize
     )
     capacity = expert_capacity(t, e, top_k, capacity_factor)
-    dispatch_TxExC, combine_TxExC = _dispatch_combine(
-        gates_TxK, experts_TxK, e, capacity, x_TxD.dtype
-    )
-    xin_ExCxD = jnp.einsum("tec,td->ecd", dispatch_TxExC, x_TxD)
+    slot_KxT, keep_KxT = _slots(experts_TxK, e, capacity)
+    xin_ExCxD = _dispatch(x_TxD, experts_TxK, slot_KxT, keep_KxT, e, capacity)
     out_ExCxD = experts_fn(xin_ExCxD)
-    y_TxD = jnp.einsum("tec,ecd->td", combine_TxExC.astype(out_ExCxD.dtype), out_ExCxD)
+    y_TxD = _combine(out_ExCxD, gates_TxK, experts_TxK, slot_KxT, keep_KxT)
 
     counts_E = jnp.sum(jax.nn.one_hot(experts_TxK, e, dtype=jnp.float32), axis=(0, 1))
     counts_E, prob_sum_E = token_sum((counts_E, jnp.sum(probs_TxE, axis=0)))

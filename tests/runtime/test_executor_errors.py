@@ -245,6 +245,15 @@ def test_heads_must_divide_by_tp(model, lays, patterns):
     check_one_line(excinfo, *patterns, r"use tp in \[")
 
 
+def test_encoder_tokens_must_divide_by_cp(model):
+    """An encoder with cp > 1 (its own, or inherited in the homogeneous baseline) splits
+    its tokens over cp."""
+    m, _ = model
+    with pytest.raises(LayoutError) as excinfo:
+        m.validate_layouts(layouts(vision="dp=2,cp=3", llm="dp=8"))
+    check_one_line(excinfo, r"^vision: seq=16 is not divisible by cp=3", r"use cp in \[")
+
+
 # -- the CLI ---------------------------------------------------------------------------
 
 # name -> (flags, patterns of the one error line, whether the CLI catches it before
