@@ -322,15 +322,22 @@ def recording(ex) -> Iterator[Recording]:
 
             def make(fn, src=src, direction=direction, link=link):
                 def shim(x, route=None):
-                    # Routed tokens (into a cp > 1 LLM) take the by-position boundary.
+                    # Routed tokens (into a cp > 1 LLM) take the by-position boundary:
+                    # packed per rank at the source, or split evenly then exchanged.
                     a = x.tokens if isinstance(x, Routed) else x
                     boundary, shape = link.boundary, a.shape
-                    if isinstance(x, Routed):
+                    if route is not None:
                         boundary = link.routed_boundary
-                    elif route is not None:
-                        boundary = link.routed_boundary
-                        _, cp, k = route.index.shape
-                        shape = (a.shape[0], cp * k, *a.shape[2:])
+                        if route.send is not None:
+                            b, cp, _, k2 = route.send.shape
+                            shape = (b, route.num_tokens, *a.shape[2:])
+                            # the all-to-all: every (holder, owner) block but one's own
+                            rec.boundary[src] += (
+                                b * cp * (cp - 1) * k2 * math.prod(a.shape[2:]) * a.dtype.itemsize
+                            )
+                        elif not isinstance(x, Routed):
+                            _, cp, k = route.index.shape
+                            shape = (a.shape[0], cp * k, *a.shape[2:])
                     if boundary is not None:
                         plan = boundary.plan(shape, a.dtype)
                         plan = plan if direction == "forward" else plan.reverse()

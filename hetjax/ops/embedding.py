@@ -47,9 +47,7 @@ def vocab_parallel_lookup(
         raise ValueError(f"vocabulary {vocab} is not divisible by {tp_axis}={tp}")
     batch = tuple(batch_axes) if batch_axes else None
     rows = vocab // tp
-    seq_out = (
-        tuple(a for a in (seq_axis, tp_axis) if a) if scatter_sequence else seq_axis
-    )
+    seq_out = tuple(a for a in (seq_axis, tp_axis) if a) if scatter_sequence else seq_axis
 
     def local(table, ids):
         first = jax.lax.axis_index(tp_axis) * rows

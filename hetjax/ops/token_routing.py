@@ -19,16 +19,14 @@ host from the token ids of every microbatch (the executor has them anyway):
   and takes its ``k``-th routed token, inside ``shard_map`` (no communication).
 
 Bytes: ``cp * K * D`` per sample delivered instead of ``cp * N * D`` when every rank
-gets the whole image. With one image per sample inside one chunk ``K = N`` (one rank
-needs it all) and routing saves nothing, so the executor routes only when ``K < N`` and
-otherwise delivers replicated over cp as before (:class:`Routed` marks which form a
-stage received; both compile once). The saving grows with images spread over the
-sequence (multi-image, video or packed samples: the long-context regime CP exists for).
-Across islands, the routed form sends ``cp * K`` tokens per sample where the replicated
-form sends ``N`` once and broadcasts inside the destination island, so with islands
-routing trades cross-island bytes (at most ``cp`` times more, equal at perfect balance)
-for no intra-island broadcast. The gradient is the exact transpose: each image token is
-sent to exactly one rank, so its gradient comes back from exactly one place.
+gets the whole image; never more (``K <= N``). With one image per sample inside one
+chunk ``K = N`` (one rank needs it all) and the saving is nil; it grows with images
+spread over the sequence (multi-image, video or packed samples: the long-context regime
+CP exists for). Across islands the tokens first cross split evenly over the cp ranks
+(each crosses once) and :func:`exchange_routed` then moves each to its owner with one
+all-to-all, so padding never crosses islands. The gradient is the exact transpose: each
+image token is sent to exactly one rank, so its gradient comes back from exactly one
+place.
 
 Shape key: B batch, L sequence, N modality tokens per sample, D width, R = cp ranks,
 K routed slots per rank.
@@ -36,6 +34,7 @@ K routed slots per rank.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -46,6 +45,8 @@ from jax.sharding import Mesh, PartitionSpec
 
 __all__ = [
     "Routed",
+    "exchange_routed",
+    "exchange_routes",
     "gather_routes",
     "merge_routed",
     "owner_rank",
@@ -173,3 +174,88 @@ def merge_routed(
         out_specs=x_spec,
     )
     return fn(h_BxLxD, is_slot_BxL, routed_BxRKxD)
+
+
+# -- across islands: split evenly, then exchange inside the destination ----------------------
+
+
+def exchange_routes(idx_BxRxK: np.ndarray, num_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """Host-side plan of :func:`exchange_routed` for the routing ``idx`` of
+    :func:`token_routes`, when the tokens arrive split EVENLY over the ``cp`` ranks
+    (rank ``s`` holds tokens ``[s*N/cp, (s+1)*N/cp)``).
+
+    Returns:
+        ``send[B, cp, cp, K2]``: for holder ``s`` and owner ``r``, the holder-local
+        positions of the tokens ``r`` needs from ``s``, in ``r``'s slot order (-1 pad);
+        ``recv[B, cp, K]``: for owner ``r``'s slot ``k``, the index ``s * K2 + i`` of that
+        token among everything ``r`` receives (-1 for padding slots). ``K2`` is rounded up
+        to a multiple of ``ceil(N / (4 * cp**2))`` and at most ``N / cp``.
+
+    Raises:
+        ValueError: ``N`` is not divisible by ``cp``.
+    """
+    b, cp, k = idx_BxRxK.shape
+    if num_tokens % cp:
+        raise ValueError(f"{num_tokens} tokens do not split evenly over cp={cp}")
+    held = num_tokens // cp
+    holder = np.where(idx_BxRxK >= 0, idx_BxRxK // held, -1)
+    counts = np.stack([(holder == s).sum(-1) for s in range(cp)], 1)  # [B, S, R]
+    quantum = max(1, math.ceil(num_tokens / (4 * cp * cp)))
+    k2 = max(1, math.ceil(int(counts.max(initial=0)) / quantum) * quantum)
+    k2 = min(k2, max(held, 1))
+    send = np.full((b, cp, cp, k2), -1, np.int32)
+    recv = np.full((b, cp, k), -1, np.int32)
+    for i in range(b):
+        for r in range(cp):
+            fill = np.zeros(cp, np.int64)
+            for slot in range(k):
+                j = idx_BxRxK[i, r, slot]
+                if j < 0:
+                    continue
+                s = j // held
+                send[i, s, r, fill[s]] = j % held
+                recv[i, r, slot] = s * k2 + fill[s]
+                fill[s] += 1
+    return send, recv
+
+
+def _exchange_local(x_bxHxD, send_bx1xRxK2, recv_bx1xK, *, cp_axis):
+    send = send_bx1xRxK2[:, 0]  # [b, R, K2]: what each owner needs from me
+    b, r, k2 = send.shape
+    got = jnp.take_along_axis(x_bxHxD, jnp.maximum(send, 0).reshape(b, r * k2)[..., None], axis=1)
+    got = jnp.where((send >= 0).reshape(b, r * k2)[..., None], got, jnp.zeros((), got.dtype))
+    out_Rxbxk2xD = jnp.moveaxis(got.reshape(b, r, k2, -1), 1, 0)
+    # After the all-to-all, row s holds what holder s sent me.
+    back = jax.lax.all_to_all(out_Rxbxk2xD, cp_axis, 0, 0, tiled=True)
+    flat = jnp.moveaxis(back, 0, 1).reshape(b, r * k2, -1)
+    recv = recv_bx1xK[:, 0]
+    out = jnp.take_along_axis(flat, jnp.maximum(recv, 0)[..., None], axis=1)
+    return jnp.where((recv >= 0)[..., None], out, jnp.zeros((), out.dtype))
+
+
+def exchange_routed(
+    x_BxNxD: jax.Array,
+    send_BxRxRxK2: jax.Array,
+    recv_BxRxK: jax.Array,
+    *,
+    mesh: Mesh,
+    batch_axes: Sequence[str] | None,
+    cp_axis: str = "cp",
+) -> jax.Array:
+    """Tokens split evenly over ``cp_axis`` (dim 1) -> the routed ``[B, cp*K, D]`` layout
+    of :func:`gather_routes`, with one ``all_to_all`` over cp: each token moves at most
+    once, from the rank that holds it to the rank that owns its position. Used after a
+    cross-island transfer, so each token crosses islands exactly once (``N`` per sample)
+    and nothing is broadcast inside the destination island."""
+    batch = tuple(batch_axes) if batch_axes else None
+    fn = jax.shard_map(
+        functools.partial(_exchange_local, cp_axis=cp_axis),
+        mesh=mesh,
+        in_specs=(
+            PartitionSpec(batch, cp_axis, None),
+            PartitionSpec(batch, cp_axis),
+            PartitionSpec(batch, cp_axis),
+        ),
+        out_specs=PartitionSpec(batch, cp_axis, None),
+    )
+    return fn(x_BxNxD, send_BxRxRxK2, recv_BxRxK)

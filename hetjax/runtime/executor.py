@@ -34,7 +34,7 @@ import numpy as np
 from hetjax import schedules as hs
 from hetjax.meshes import Layout, LayoutError, ModuleMesh, place_modules, validate_batch
 from hetjax.ops.ring_attention import zigzag_permutation
-from hetjax.ops.token_routing import token_routes
+from hetjax.ops.token_routing import exchange_routes, token_routes
 from hetjax.runtime.graph import TrainGraph
 from hetjax.runtime.optim import OptimizerConfig
 from hetjax.runtime.programs import ParallelOptions, StageProgram, batch_sharding, put_global
@@ -290,23 +290,26 @@ class Executor:
         """Microbatch ``m``'s token routing on a routed ``link`` (``n`` tokens per sample).
 
         Built on the first send of the step from the whole batch, so every microbatch of
-        the step uses one slot count ``K`` (one compiled shape). None when ``K == N``:
-        some rank needs whole images, so the replicated delivery costs no more."""
+        the step uses one slot count (one compiled shape)."""
         if link not in self.routable:
             return None
         if link not in cache:
             key, placeholder = self.routable[link]
-            idx = token_routes(
-                np.asarray(batch[key]) == placeholder, n, self.graph.module(link[1]).layout.cp
-            )
+            cp = self.graph.module(link[1]).layout.cp
+            idx = token_routes(np.asarray(batch[key]) == placeholder, n, cp)
             size = len(idx) // self.microbatches
-            sharding = self.links[link].index_sharding
-            cache[link] = [
-                Route(put_global(idx[i * size : (i + 1) * size], sharding), n)
-                if idx.shape[2] < n
-                else None
-                for i in range(self.microbatches)
-            ]
+            transfer = self.links[link]
+            routes = []
+            for i in range(self.microbatches):
+                part = idx[i * size : (i + 1) * size]
+                if transfer.exchange and n % cp == 0:  # across islands: exchange at dst
+                    send, recv = exchange_routes(part, n)
+                    sharding = transfer.split_sharding
+                    send, recv = put_global(send, sharding), put_global(recv, sharding)
+                    routes.append(Route(n, send=send, recv=recv))
+                else:
+                    routes.append(Route(n, index=put_global(part, transfer.index_sharding)))
+            cache[link] = routes
         return cache[link][m]
 
     def step(

@@ -16,13 +16,15 @@ issued by every process in the same order (processes owning none of its devices 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from hetjax.boundary import Boundary, EdgeSpec, Endpoint, MultiProcessTransport
 from hetjax.meshes import ModuleMesh
-from hetjax.ops.token_routing import Routed, gather_routes, scatter_routes
+from hetjax.ops.token_routing import Routed, exchange_routed, gather_routes, scatter_routes
 from hetjax.runtime.programs import BATCH_AXES, batch_sharding
 
 
@@ -57,21 +59,35 @@ class StageTransfer:
 
 @dataclasses.dataclass(frozen=True)
 class Route:
-    """One microbatch's token routing for a link into a ``cp > 1`` module."""
+    """One microbatch's token routing for a link into a ``cp > 1`` module: either
+    ``index`` (gather at the source) or ``send``/``recv`` (exchange at the destination;
+    see :class:`LinkTransfer`)."""
 
-    index: jax.Array  # [B, cp, K] int32 on the source stage, batch over dp; -1 = padding
     num_tokens: int  # N: tokens per sample the source produces
+    index: jax.Array | None = None  # [B, cp, K] on the source stage; -1 = padding
+    send: jax.Array | None = None  # [B, cp, cp, K2] on the destination stage
+    recv: jax.Array | None = None  # [B, cp, K] on the destination stage
 
 
 class LinkTransfer:
     """The boundary communicator of one module link (``src`` last stage -> ``dst`` stage 0).
 
     ``routed``: the destination has ``cp > 1`` and merges the tokens into placeholder
-    positions. When a step's :class:`Route` is given, each cp rank receives only the
-    tokens of the positions it stores (:mod:`hetjax.ops.token_routing`): the source
-    packs them per rank (a local gather), a second boundary delivers dim 1 split over cp
-    (marked :class:`Routed`), and the backward scatters the cotangents back (each token
-    went to exactly one rank). Without a route the tokens arrive replicated over cp.
+    positions, so each cp rank receives only the tokens of the positions it stores
+    (:mod:`hetjax.ops.token_routing`), marked :class:`Routed`. Two ways, by placement:
+
+    - colocated (:meth:`Route` with ``index``): the source packs each rank's slots (a
+      local gather) and the boundary delivers dim 1 split over cp - every device gets
+      ``K`` slots per sample instead of all ``N`` tokens;
+    - across islands (``send``/``recv``): the tokens cross split EVENLY over the cp ranks
+      (each token crosses islands once, ``N`` per sample - no broadcast inside the
+      destination), then one all-to-all over cp moves each to the rank that owns its
+      position. Gathering at the source first would send the padded ``cp * K`` slots
+      across islands instead.
+
+    The backward runs the transposes (each token went to exactly one rank, so each
+    gradient comes back from exactly one place). Without a route the tokens arrive
+    replicated over cp.
     """
 
     def __init__(
@@ -92,13 +108,28 @@ class LinkTransfer:
         self.transport = MultiProcessTransport() if multiprocess else None
         self.boundary = None if self.identity else self._boundary(source, destination)
         self.routed_boundary = None
+        self.exchange = False
         if routed:
             by_position = Endpoint.destination(dst, stage=dst_stage, shard_tokens=True)
             self.routed_boundary = self._boundary(source, by_position)
-            self.index_sharding = source.sharding  # the route index lives with the source
+            self.exchange = self.routed_boundary.edge.placement == "non-colocated"
+            self.index_sharding = source.sharding  # gather: the index lives with the source
+            self.split_sharding = by_position.sharding  # exchange: with the destination
             self._gather = jax.jit(gather_routes, out_shardings=source.sharding)
             self._scatter = jax.jit(
                 scatter_routes, static_argnums=(2,), out_shardings=source.sharding
+            )
+            exchange = functools.partial(
+                exchange_routed, mesh=by_position.sharding.mesh, batch_axes=BATCH_AXES
+            )
+
+            def exchange_transpose(ct, send, recv, num_tokens):
+                zeros = jnp.zeros((ct.shape[0], num_tokens, *ct.shape[2:]), ct.dtype)
+                return jax.vjp(lambda x: exchange(x, send, recv), zeros)[1](ct)[0]
+
+            self._exchange = jax.jit(exchange, out_shardings=by_position.sharding)
+            self._exchange_t = jax.jit(
+                exchange_transpose, static_argnums=(3,), out_shardings=by_position.sharding
             )
 
     def _boundary(self, source: Endpoint, destination: Endpoint) -> Boundary:
@@ -106,12 +137,18 @@ class LinkTransfer:
         return Boundary(edge, self.transport) if self.transport else Boundary(edge)
 
     def forward(self, x: jax.Array, route: Route | None = None) -> jax.Array | Routed:
-        if route is not None:
-            return Routed(self.routed_boundary.forward(self._gather(x, route.index)))
-        return x if self.boundary is None else self.boundary.forward(x)
+        if route is None:
+            return x if self.boundary is None else self.boundary.forward(x)
+        if route.send is not None:
+            split = self.routed_boundary.forward(x)
+            return Routed(self._exchange(split, route.send, route.recv))
+        return Routed(self.routed_boundary.forward(self._gather(x, route.index)))
 
     def backward(self, ct: jax.Array | Routed, route: Route | None = None) -> jax.Array:
-        if isinstance(ct, Routed):
-            ct = self.routed_boundary.backward(ct.tokens)
-            return self._scatter(ct, route.index, route.num_tokens)
-        return ct if self.boundary is None else self.boundary.backward(ct)
+        if not isinstance(ct, Routed):
+            return ct if self.boundary is None else self.boundary.backward(ct)
+        if route.send is not None:
+            split = self._exchange_t(ct.tokens, route.send, route.recv, route.num_tokens)
+            return self.routed_boundary.backward(split)
+        ct = self.routed_boundary.backward(ct.tokens)
+        return self._scatter(ct, route.index, route.num_tokens)
