@@ -11,7 +11,10 @@ run concurrently while the Python loop moves on.
 Transfers: inside a module, a pipeline stage hands its activation to the next stage's
 submesh (same per-device layout, so a direct device-to-device copy); between modules, a
 boundary communicator (:mod:`hetjax.boundary`) moves it from the source's layout to the
-destination's, and its backward routes the gradient back.
+destination's, and its backward routes the gradient back. Into a ``cp > 1`` module that
+merges the tokens into placeholders (``ModuleSpec.token_slots``), each cp rank receives
+only the tokens of the positions it stores; the routing is computed on the host from the
+step's token ids (:mod:`hetjax.ops.token_routing`).
 
 Once per step every stage sums its per-replica gradients (the one DP reduction), the
 global gradient norm is formed from all stages' partial norms, and every stage applies
