@@ -37,10 +37,11 @@ TRAIN = ["--steps", "10", "--global-batch", "16", "--microbatches", "2"]
 LAYOUTS = {
     # The vision encoder over all 8 devices; the LLM's two stages on devices 0-3 and 4-7.
     "colocated": ["--layout", "vision:dp=8", "--layout", "llm:dp=2,tp=2,pp=2"],
-    # Vision on devices 0-3, the LLM on 4-7.
+    # Vision on devices 0-3, the LLM on 4-7 with context parallelism: its image tokens
+    # cross islands split over the cp ranks, then move to their owners (all-to-all).
     "non-colocated": [
         *("--placement", "non-colocated", "--island", "vision:4", "--island", "llm:4"),
-        *("--layout", "vision:dp=4", "--layout", "llm:dp=2,tp=2"),
+        *("--layout", "vision:dp=4", "--layout", "llm:cp=2,tp=2"),
     ],
     # Vision on devices 0-3; LLM stage 0 on devices 4-5, stage 1 on 6-7.
     "non-colocated-pp": [
