@@ -108,19 +108,23 @@ def token_routes(is_slot_BxL: np.ndarray, num_tokens: int, cp: int) -> np.ndarra
             " tokens; every sample needs exactly one placeholder per modality token"
         )
     owner = owner_rank(seq, cp)
-    token_BxL = np.cumsum(is_slot_BxL, axis=1) - 1  # modality token at each placeholder
-    per_rank_BxR = np.stack([(is_slot_BxL & (owner == r)).sum(1) for r in range(cp)], 1)
+    # Every placeholder, sample-major then by position (np.nonzero's order): its sample,
+    # its token (k-th placeholder of the sample) and the rank storing its position.
+    sample, pos = np.nonzero(is_slot_BxL)
+    token = np.arange(len(sample)) - np.concatenate([[0], np.cumsum(counts)[:-1]])[sample]
+    group = sample * cp + owner[pos]
+    # A stable sort by (sample, rank) keeps position order inside each group - and the
+    # original order is the rank's storage order (its two chunks are increasing).
+    order = np.argsort(group, kind="stable")
+    sizes = np.bincount(group, minlength=b * cp)
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    slot = np.arange(len(order)) - starts[group[order]]
     quantum = math.ceil(num_tokens / (4 * cp))
-    k = max(1, math.ceil(int(per_rank_BxR.max(initial=0)) / quantum) * quantum)
+    k = max(1, math.ceil(int(sizes.max(initial=0)) / quantum) * quantum)
     k = min(k, max(num_tokens, 1))
-    idx = np.full((b, cp, k), -1, np.int32)
-    for r in range(cp):
-        mine = is_slot_BxL & (owner == r)
-        for i in range(b):
-            # Original order == the rank's storage order (its two chunks are increasing).
-            owned = token_BxL[i][mine[i]]
-            idx[i, r, : len(owned)] = owned
-    return idx
+    idx = np.full((b * cp, k), -1, np.int32)
+    idx[group[order], slot] = token[order]
+    return idx.reshape(b, cp, k)
 
 
 def _take(x_BxNxD: jax.Array, idx_BxRxK: jax.Array) -> jax.Array:
@@ -203,20 +207,22 @@ def exchange_routes(idx_BxRxK: np.ndarray, num_tokens: int) -> tuple[np.ndarray,
     quantum = max(1, math.ceil(num_tokens / (4 * cp * cp)))
     k2 = max(1, math.ceil(int(counts.max(initial=0)) / quantum) * quantum)
     k2 = min(k2, max(held, 1))
-    send = np.full((b, cp, cp, k2), -1, np.int32)
+    send = np.full((b * cp * cp, k2), -1, np.int32)
     recv = np.full((b, cp, k), -1, np.int32)
-    for i in range(b):
-        for r in range(cp):
-            fill = np.zeros(cp, np.int64)
-            for slot in range(k):
-                j = idx_BxRxK[i, r, slot]
-                if j < 0:
-                    continue
-                s = j // held
-                send[i, s, r, fill[s]] = j % held
-                recv[i, r, slot] = s * k2 + fill[s]
-                fill[s] += 1
-    return send, recv
+    # Every routed slot in (sample, owner, slot) order; grouped by (sample, holder, owner)
+    # with a stable sort, so each group keeps the owner's slot order.
+    sample, owner, slot = np.nonzero(idx_BxRxK >= 0)
+    token = idx_BxRxK[sample, owner, slot]
+    source = token // held
+    group = (sample * cp + source) * cp + owner
+    order = np.argsort(group, kind="stable")
+    sizes = np.bincount(group, minlength=b * cp * cp)
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    at = np.empty(len(order), np.int64)
+    at[order] = np.arange(len(order)) - starts[group[order]]  # place within its group
+    send[group, at] = token % held
+    recv[sample, owner, slot] = source * k2 + at
+    return send.reshape(b, cp, cp, k2), recv
 
 
 def _exchange_local(x_bxHxD, send_bx1xRxK2, recv_bx1xK, *, cp_axis):
