@@ -16,7 +16,8 @@ Optimiser: no warm-up (the first step moves every parameter) and ``eps=1e-3``, f
 reason given in ``test_executor_parity.py``: Adam's ``m / (sqrt(v) + eps)`` amplifies the
 summation-order noise of a split near zero gradients by ~``lr / eps``; the gradients
 themselves agree to ~1e-7 relative. A small global batch (8) keeps the reference and
-the steps cheap; one reference run per preset is shared by all cases (module fixture).
+the steps cheap; one reference run per preset is shared by all cases
+(``tests/runtime/parity.py``, the harness both parity files use).
 
 Coverage (a covering set, not the product; ``A`` runs by default, the rest are ``slow``
 and run in CI):
@@ -37,43 +38,16 @@ and run in CI):
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 
-import chex
-import jax
-import numpy as np
 import pytest
 
-import hetjax
-from hetjax import Layout
 from models.config import get_preset
-from models.data import DataConfig, SyntheticLlava
-from models.mllm import MLLM
+from tests.runtime import parity
+from tests.runtime.parity import Case, check_matches_reference, reference
 
 GLOBAL_BATCH = 8  # divisible by dp x microbatches of every module in CASES
-STEPS = 10
-OPTIMIZER = hetjax.OptimizerConfig(total_steps=STEPS, warmup_steps=0, eps=1e-3)
-PROGRAMS = ("fwd", "bwd", "update", "reduce", "zeros")
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-    """One executor configuration."""
-
-    preset: str  # "tiny", "tiny-moe" or "tiny-moe-enc"
-    mode: str  # "colocated", "non-colocated", "homogeneous"
-    layouts: tuple[tuple[str, str], ...]  # (module, layout text); islands follow this order
-    microbatches: int
-    options: tuple[str, ...] = ()  # ParallelOptions switches to turn on
-
-    @property
-    def parsed(self) -> dict[str, Layout]:
-        return {name: Layout.parse(text, module=name) for name, text in self.layouts}
-
-
-def case(preset, mode, microbatches, *, options=(), slow=True, id, **layouts):
-    c = Case(preset, mode, tuple(layouts.items()), microbatches, tuple(options))
-    return pytest.param(c, id=id, marks=[pytest.mark.slow] if slow else [])
+case = functools.partial(parity.case, slow=True)  # A runs by default, the rest are slow
 
 
 CASES = [
@@ -165,92 +139,9 @@ CASES = [
 ]
 
 
-@dataclasses.dataclass
-class Reference:
-    model: MLLM
-    params: dict  # initial parameters (device arrays; the executors copy them)
-    batches: list  # host batches, one per step
-    metrics: list  # host metrics per step
-    after_one: dict  # host parameters after exactly one step
-
-
-@pytest.fixture(scope="module")
-def reference():
-    """``reference(preset)``: the single-device run of ``STEPS`` steps, cached per preset."""
-    cache: dict[str, Reference] = {}
-
-    def get(preset: str) -> Reference:
-        if preset not in cache:
-            cfg = get_preset(preset)
-            model = MLLM(cfg)
-            params = model.init(jax.random.key(0))
-            data = SyntheticLlava(DataConfig.for_model(cfg, seq_len=cfg.seq_len, seed=0))
-            batches = [data.batch(s, GLOBAL_BATCH) for s in range(STEPS)]
-            axes = {name: m.logical_axes() for name, m in model.modules.items()}
-            trainer = hetjax.ReferenceTrainer(
-                model.loss_sum,
-                params,
-                hetjax.make_optimizer(OPTIMIZER, logical_axes=axes),
-                devices=jax.devices()[:1],
-            )
-            metrics, after_one = [], None
-            for s, batch in enumerate(batches):
-                metrics.append(jax.device_get(trainer.step(batch)))
-                if s == 0:
-                    after_one = jax.device_get(trainer.params)  # before step 2 donates them
-            cache[preset] = Reference(model, params, batches, metrics, after_one)
-        return cache[preset]
-
-    return get
-
-
-def cache_sizes(ex: hetjax.Executor) -> dict:
-    return {
-        (key, name): getattr(prog, name)._cache_size()
-        for key, prog in ex.programs.items()
-        for name in PROGRAMS
-    }
-
-
-def compared_keys(metrics: dict) -> list[str]:
-    return sorted(k for k in metrics if k in ("loss", "grad_norm") or "_norm/" in k)
-
-
 @pytest.mark.parametrize("case", CASES)
-def test_matches_single_device_reference(case: Case, reference):
-    ref = reference(case.preset)
-    layouts = case.parsed
-    ref.model.validate_layouts(layouts, seq_len=ref.batches[0]["tokens"].shape[1])
-    islands = (
-        {name: layout.num_devices for name, layout in layouts.items()}
-        if case.mode == "non-colocated"
-        else None
-    )
-    ex = hetjax.Executor(
-        ref.model.train_graph(layouts),
-        ref.params,
-        devices=jax.devices(),
-        mode=case.mode,
-        islands=islands,
-        microbatches=case.microbatches,
-        optimizer=OPTIMIZER,
-        options=hetjax.ParallelOptions(**{name: True for name in case.options}),
-    )
-    got = [jax.device_get(ex.step(ref.batches[0]))]
-    after_one = ex.full_params()
-    compiled = cache_sizes(ex)
-    got += [jax.device_get(ex.step(batch)) for batch in ref.batches[1:]]
-
-    chex.assert_trees_all_close(after_one, ref.after_one, atol=1e-6, rtol=0)
-
-    keys = compared_keys(ref.metrics[0])
-    assert compared_keys(got[0]) == keys
-    assert {f"grad_norm/{name}" for name in ref.params} <= set(keys)
-    for key in keys:
-        np.testing.assert_allclose(
-            [m[key] for m in got], [m[key] for m in ref.metrics], rtol=1e-5, atol=0, err_msg=key
-        )
-    assert cache_sizes(ex) == compiled
+def test_matches_single_device_reference(case):
+    check_matches_reference(case, reference(case.preset, GLOBAL_BATCH))
 
 
 def test_matrix_covers_the_requested_strategies():

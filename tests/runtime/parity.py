@@ -1,0 +1,145 @@
+"""The parity harness shared by ``test_executor_parity.py`` and ``test_parallelism_parity.py``.
+
+A :class:`Case` is one executor configuration; :func:`check_matches_reference` trains it
+for ``STEPS`` steps next to the single-device :class:`hetjax.ReferenceTrainer` run of the
+same preset and batches (:func:`reference`, cached per preset and global batch) and checks:
+
+- parameters after exactly ONE step equal the reference's within atol 1e-6;
+- losses, the global and per-module gradient norms and the per-module parameter norms
+  agree within rtol 1e-5 at each step, and the supervised-token counts exactly;
+- no stage program compiles again after the first step, and the caller's parameters
+  survive (the executor donates only its own copies).
+
+Optimiser: no warm-up and ``eps=1e-3`` (why: ``test_executor_parity.py``'s docstring).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import chex
+import jax
+import numpy as np
+import pytest
+
+import hetjax
+from hetjax import Layout
+from models.config import get_preset
+from models.data import DataConfig, SyntheticLlava
+from models.mllm import MLLM
+
+STEPS = 10
+OPTIMIZER = hetjax.OptimizerConfig(total_steps=STEPS, warmup_steps=0, eps=1e-3)
+PROGRAMS = ("fwd", "bwd", "update", "reduce", "zeros")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One executor configuration of a parity matrix."""
+
+    preset: str  # a models.config preset
+    mode: str  # "colocated", "non-colocated", "homogeneous"
+    layouts: tuple[tuple[str, str], ...]  # (module, layout text); islands follow this order
+    microbatches: int
+    schedule: str = "1f1b"
+    options: tuple[str, ...] = ()  # ParallelOptions switches to turn on
+
+    @property
+    def parsed(self) -> dict[str, Layout]:
+        return {name: Layout.parse(text, module=name) for name, text in self.layouts}
+
+
+def case(preset, mode, microbatches, schedule="1f1b", *, slow=False, options=(), id, **layouts):
+    """A ``pytest.param`` of a :class:`Case`, marked ``slow`` if asked."""
+    c = Case(preset, mode, tuple(layouts.items()), microbatches, schedule, tuple(options))
+    return pytest.param(c, id=id, marks=[pytest.mark.slow] if slow else [])
+
+
+@dataclasses.dataclass
+class Reference:
+    model: MLLM
+    params: dict  # initial parameters (device arrays; the executors copy them)
+    batches: list  # host batches, one per step
+    metrics: list  # host metrics per step
+    after_one: dict  # host parameters after exactly one step
+
+
+@functools.cache
+def reference(preset: str, global_batch: int) -> Reference:
+    """The single-device run of ``STEPS`` steps of ``preset`` (computed once per process)."""
+    cfg = get_preset(preset)
+    model = MLLM(cfg)
+    params = model.init(jax.random.key(0))
+    data = SyntheticLlava(DataConfig.for_model(cfg, seq_len=cfg.seq_len, seed=0))
+    batches = [data.batch(s, global_batch) for s in range(STEPS)]
+    axes = {name: m.logical_axes() for name, m in model.modules.items()}
+    trainer = hetjax.ReferenceTrainer(
+        model.loss_sum,
+        params,
+        hetjax.make_optimizer(OPTIMIZER, logical_axes=axes),
+        devices=jax.devices()[:1],
+    )
+    metrics, after_one = [], None
+    for s, batch in enumerate(batches):
+        metrics.append(jax.device_get(trainer.step(batch)))
+        if s == 0:
+            after_one = jax.device_get(trainer.params)  # before step 2 donates them
+    return Reference(model, params, batches, metrics, after_one)
+
+
+def cache_sizes(ex: hetjax.Executor) -> dict:
+    return {
+        (key, name): getattr(prog, name)._cache_size()
+        for key, prog in ex.programs.items()
+        for name in PROGRAMS
+    }
+
+
+def compared_keys(metrics: dict) -> list[str]:
+    return sorted(k for k in metrics if k in ("loss", "grad_norm") or "_norm/" in k)
+
+
+def check_matches_reference(case: Case, ref: Reference) -> None:
+    """Trains ``case`` on all devices over ``ref``'s batches and checks it against ``ref``."""
+    layouts = case.parsed
+    ref.model.validate_layouts(layouts, seq_len=ref.batches[0]["tokens"].shape[1])
+    islands = (
+        {name: layout.num_devices for name, layout in layouts.items()}
+        if case.mode == "non-colocated"
+        else None
+    )
+    ex = hetjax.Executor(
+        ref.model.train_graph(layouts),
+        ref.params,
+        devices=jax.devices(),
+        mode=case.mode,
+        islands=islands,
+        microbatches=case.microbatches,
+        schedule=case.schedule,
+        optimizer=OPTIMIZER,
+        options=hetjax.ParallelOptions(**{name: True for name in case.options}),
+    )
+    got = [jax.device_get(ex.step(ref.batches[0]))]
+    after_one = ex.full_params()
+    compiled = cache_sizes(ex)
+    got += [jax.device_get(ex.step(batch)) for batch in ref.batches[1:]]
+
+    # One step: every parameter, gathered back into the reference's tree.
+    chex.assert_trees_all_close(after_one, ref.after_one, atol=1e-6, rtol=0)
+
+    # Every step: the same metric names, and values per step.
+    keys = compared_keys(ref.metrics[0])
+    assert compared_keys(got[0]) == keys
+    assert {f"grad_norm/{name}" for name in ref.params} <= set(keys)
+    for key in keys:
+        np.testing.assert_allclose(
+            [m[key] for m in got], [m[key] for m in ref.metrics], rtol=1e-5, atol=0, err_msg=key
+        )
+    np.testing.assert_array_equal(
+        [m["supervised_tokens"] for m in got], [m["supervised_tokens"] for m in ref.metrics]
+    )
+
+    # Steps 2..STEPS reuse step 1's executables; the caller's parameters are intact.
+    assert cache_sizes(ex) == compiled
+    assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(ref.params))
