@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
 import os
 import re
@@ -501,7 +500,7 @@ def print_table(rows: list[dict]) -> None:
 
 def main(config: BenchConfig) -> list[dict]:
     """Runs every scenario in both modes, prints a table, writes JSON, checks."""
-    from experiments.cli import ConfigError, setup_devices
+    from experiments.cli import ConfigError, finish_rows, setup_devices
 
     if config.steps < 2:
         raise ConfigError("--steps must be at least 2 (the first step compiles)")
@@ -538,13 +537,8 @@ def main(config: BenchConfig) -> list[dict]:
             )
     print_table(rows)
     print(f"{len(rows)} rows in {time.perf_counter() - t0:.0f} s")
-    if config.json:
-        with open(config.json, "w") as f:
-            json.dump(rows, f, indent=1)
     cache.cleanup()
-    bad = check(rows)
-    if bad:
-        raise SystemExit("condition violated:\n" + "\n".join(bad))
+    finish_rows(rows, config.json, check(rows), "condition violated")
     return rows
 
 

@@ -74,7 +74,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
-import json
 import math
 import os
 import pathlib
@@ -719,7 +718,7 @@ def print_table(rows: list[dict]) -> None:
 
 def main(config: BenchConfig) -> list[dict]:
     """Runs every row, prints a table, writes JSON, and fails on a violated condition."""
-    from experiments.cli import ConfigError, setup_devices
+    from experiments.cli import ConfigError, finish_rows, setup_devices
 
     if config.devices % 4 or config.steps < 5:
         raise ConfigError("--devices must be a multiple of 4 and --steps at least 5")
@@ -756,13 +755,8 @@ def main(config: BenchConfig) -> list[dict]:
     activation_bound(rows)
     print_table(rows)
     print(f"{len(rows)} rows in {time.perf_counter() - t0:.0f} s")
-    if config.json:
-        with open(config.json, "w") as f:
-            json.dump(rows, f, indent=1)
     cache.cleanup()
-    bad = check(rows)
-    if bad:
-        raise SystemExit("done-when conditions violated:\n" + "\n".join(bad))
+    finish_rows(rows, config.json, check(rows), "done-when conditions violated")
     return rows
 
 

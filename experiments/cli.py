@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import pkgutil
 import sys
@@ -128,6 +129,16 @@ def setup_devices(
             f"visible; use --devices {len(devices)} or fewer"
         )
     return devices[: requested or len(devices)]
+
+
+def finish_rows(rows: list[dict], json_path: str | None, violations: list[str], what: str) -> None:
+    """A benchmark's ending: writes ``rows`` as a JSON list to ``json_path`` (if given),
+    then exits non-zero with ``what`` and one line per violated condition (if any)."""
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(rows, f, indent=1)
+    if violations:
+        raise SystemExit(f"{what}:\n" + "\n".join(violations))
 
 
 def run_cli(main: Callable[[list[str]], int], prog: str) -> NoReturn:

@@ -15,38 +15,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from hetjax.modules import StagedModule
 from hetjax.ops import context as parallel
 from hetjax.ops.embedding import vocab_parallel_lookup
-from hetjax.ops.token_routing import merge_routed
+from hetjax.ops.token_routing import merge_modality_tokens, merge_routed
 from models.config import LLMConfig
 from models.layers import DecoderBlock, Dense, RMSNorm, normal_param
-
-
-def merge_modality_tokens(
-    h_BxLxD: jax.Array,
-    is_slot_BxL: jax.Array,
-    tokens_BxNxD: jax.Array,
-    positions_L: np.ndarray | None = None,
-) -> jax.Array:
-    """Replaces the placeholder positions of each sample with its N modality tokens, in order.
-
-    Every sample must have exactly N placeholder positions (the data pipeline ensures it).
-    ``positions_L``: original position of each stored element when the sequence is stored
-    permuted (context parallelism); slots are numbered in ORIGINAL order. Only the integer
-    slot mask is reordered for that, never the activations.
-    """
-    if positions_L is None:
-        order = jnp.cumsum(is_slot_BxL, axis=1)
-    else:
-        inverse = np.argsort(positions_L)  # stored index of each original position
-        order = jnp.cumsum(is_slot_BxL[:, inverse], axis=1)[:, positions_L]
-    idx_BxL = jnp.clip(order - 1, 0, tokens_BxNxD.shape[1] - 1)
-    gathered_BxLxD = jnp.take_along_axis(tokens_BxNxD, idx_BxL[..., None], axis=1)
-    return jnp.where(is_slot_BxL[..., None], gathered_BxLxD.astype(h_BxLxD.dtype), h_BxLxD)
 
 
 class TokenEmbed(nnx.Module):
@@ -61,7 +37,7 @@ class TokenEmbed(nnx.Module):
 
     def __call__(self, tokens_BxL: jax.Array, **modality_BxNxD: jax.Array) -> jax.Array:
         ctx = parallel.current()
-        if ctx is not None and ctx.sequence_sharding(3, split=False) is not None:
+        if ctx is not None and ctx.sp:
             # Sequence parallelism: GSPMD would gather the whole table; look up in place.
             h_BxLxD = vocab_parallel_lookup(
                 self.table[...],

@@ -54,7 +54,7 @@ class ParallelContext:
         sequence over (cp, tp), the residual stream between TP regions; not split - the
         sequence over cp only (whole over tp), the input of a column-parallel matmul.
         None when sequence parallelism is off or ``tp == 1``."""
-        if not self.sequence_parallel or self.tp == 1:
+        if not self.sp:
             return None
         if split:
             seq = ("cp", "tp") if self.cp > 1 else "tp"
@@ -62,6 +62,11 @@ class ParallelContext:
             seq = "cp" if self.cp > 1 else None
         batch = tuple(self.batch_axes) if self.batch_axes else None
         return NamedSharding(self.mesh, PartitionSpec(batch, seq, *([None] * (ndim - 2))))
+
+    @property
+    def sp(self) -> bool:
+        """Whether sequence parallelism is in effect here (switched on and ``tp > 1``)."""
+        return self.sequence_parallel and self.tp > 1
 
     @property
     def cp(self) -> int:

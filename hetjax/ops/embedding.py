@@ -5,8 +5,9 @@ in its own row range (others read zero) and the partial results are summed over 
 GSPMD finds this form by itself for plain tensor parallelism, but once the activations
 around it are sequence-sharded (sequence parallelism) it prefers to all-gather the whole
 TABLE - ``V x D`` per step, the largest weight of an LLM. This op writes the Megatron
-form explicitly with ``shard_map``; with ``scatter_sequence`` the sum over tp is a
-reduce-scatter onto the sequence axis (the layout sequence parallelism wants).
+form explicitly with ``shard_map``. The result is whole over tp (an all-reduce, once per
+microbatch): the modality-token merge that follows needs whole sequences, and the first
+block's carry constraint then keeps only this rank's sequence part.
 """
 
 from __future__ import annotations
@@ -28,18 +29,15 @@ def vocab_parallel_lookup(
     batch_axes: Sequence[str] | None,
     seq_axis: str | None = None,
     tp_axis: str = "tp",
-    scatter_sequence: bool = False,
 ) -> jax.Array:
     """``table[ids]`` with the table's vocabulary split over ``tp_axis``.
 
     Args:
         table_VxD: embedding table; ``V`` divisible by the tp size.
         ids_BxL: token ids, batch over ``batch_axes``, sequence over ``seq_axis``.
-        scatter_sequence: return the sequence split over ``(seq_axis, tp_axis)``
-            (reduce-scatter) instead of whole over tp (all-reduce).
 
     Returns:
-        ``[B, L, D]`` in the table's dtype.
+        ``[B, L, D]`` in the table's dtype, whole over ``tp_axis``.
     """
     tp = mesh.shape[tp_axis]
     vocab = table_VxD.shape[0]
@@ -47,21 +45,18 @@ def vocab_parallel_lookup(
         raise ValueError(f"vocabulary {vocab} is not divisible by {tp_axis}={tp}")
     batch = tuple(batch_axes) if batch_axes else None
     rows = vocab // tp
-    seq_out = tuple(a for a in (seq_axis, tp_axis) if a) if scatter_sequence else seq_axis
 
     def local(table, ids):
         first = jax.lax.axis_index(tp_axis) * rows
         mine = (ids >= first) & (ids < first + rows)
         got = jnp.take(table, jnp.where(mine, ids - first, 0), axis=0)
         got = jnp.where(mine[..., None], got, jnp.zeros((), got.dtype))
-        if scatter_sequence:
-            return jax.lax.psum_scatter(got, tp_axis, scatter_dimension=1, tiled=True)
         return jax.lax.psum(got, tp_axis)
 
     fn = jax.shard_map(
         local,
         mesh=mesh,
         in_specs=(PartitionSpec(tp_axis, None), PartitionSpec(batch, seq_axis)),
-        out_specs=PartitionSpec(batch, seq_out, None),
+        out_specs=PartitionSpec(batch, seq_axis, None),
     )
     return fn(table_VxD, ids_BxL)

@@ -48,6 +48,7 @@ __all__ = [
     "exchange_routed",
     "exchange_routes",
     "gather_routes",
+    "merge_modality_tokens",
     "merge_routed",
     "owner_rank",
     "scatter_routes",
@@ -147,11 +148,28 @@ def scatter_routes(g_BxRKxD: jax.Array, idx_BxRxK: jax.Array, num_tokens: int) -
     return vjp(g_BxRKxD)[0]
 
 
-def _merge_local(h_BxLxD, is_slot_BxL, routed_BxKxD):
-    order = jnp.cumsum(is_slot_BxL, axis=1) - 1
-    idx = jnp.clip(order, 0, routed_BxKxD.shape[1] - 1)
-    got = jnp.take_along_axis(routed_BxKxD, idx[..., None], axis=1)
-    return jnp.where(is_slot_BxL[..., None], got.astype(h_BxLxD.dtype), h_BxLxD)
+def merge_modality_tokens(
+    h_BxLxD: jax.Array,
+    is_slot_BxL: jax.Array,
+    tokens_BxNxD: jax.Array,
+    positions_L: np.ndarray | None = None,
+) -> jax.Array:
+    """Replaces the placeholder positions of each sample with its N modality tokens, in order.
+
+    Every sample must have exactly N placeholder positions (the data pipeline ensures it).
+    ``positions_L``: original position of each stored element when the sequence is stored
+    permuted (context parallelism); slots are numbered in ORIGINAL order. Only the integer
+    slot mask is reordered for that, never the activations. A cp rank's routed block
+    (:func:`merge_routed`) is the same merge of its local slots, in storage order.
+    """
+    if positions_L is None:
+        order = jnp.cumsum(is_slot_BxL, axis=1)
+    else:
+        inverse = np.argsort(positions_L)  # stored index of each original position
+        order = jnp.cumsum(is_slot_BxL[:, inverse], axis=1)[:, positions_L]
+    idx_BxL = jnp.clip(order - 1, 0, tokens_BxNxD.shape[1] - 1)
+    gathered_BxLxD = jnp.take_along_axis(tokens_BxNxD, idx_BxL[..., None], axis=1)
+    return jnp.where(is_slot_BxL[..., None], gathered_BxLxD.astype(h_BxLxD.dtype), h_BxLxD)
 
 
 def merge_routed(
@@ -172,7 +190,7 @@ def merge_routed(
     batch = tuple(batch_axes) if batch_axes else None
     x_spec = PartitionSpec(batch, cp_axis, None)
     fn = jax.shard_map(
-        _merge_local,
+        merge_modality_tokens,
         mesh=mesh,
         in_specs=(x_spec, PartitionSpec(batch, cp_axis), x_spec),
         out_specs=x_spec,
@@ -226,17 +244,12 @@ def exchange_routes(idx_BxRxK: np.ndarray, num_tokens: int) -> tuple[np.ndarray,
 
 
 def _exchange_local(x_bxHxD, send_bx1xRxK2, recv_bx1xK, *, cp_axis):
-    send = send_bx1xRxK2[:, 0]  # [b, R, K2]: what each owner needs from me
-    b, r, k2 = send.shape
-    got = jnp.take_along_axis(x_bxHxD, jnp.maximum(send, 0).reshape(b, r * k2)[..., None], axis=1)
-    got = jnp.where((send >= 0).reshape(b, r * k2)[..., None], got, jnp.zeros((), got.dtype))
+    b, _, r, k2 = send_bx1xRxK2.shape
+    got = _take(x_bxHxD, send_bx1xRxK2[:, 0])  # [b, R*K2, D]: what each owner needs from me
     out_Rxbxk2xD = jnp.moveaxis(got.reshape(b, r, k2, -1), 1, 0)
     # After the all-to-all, row s holds what holder s sent me.
     back = jax.lax.all_to_all(out_Rxbxk2xD, cp_axis, 0, 0, tiled=True)
-    flat = jnp.moveaxis(back, 0, 1).reshape(b, r * k2, -1)
-    recv = recv_bx1xK[:, 0]
-    out = jnp.take_along_axis(flat, jnp.maximum(recv, 0)[..., None], axis=1)
-    return jnp.where((recv >= 0)[..., None], out, jnp.zeros((), out.dtype))
+    return _take(jnp.moveaxis(back, 0, 1).reshape(b, r * k2, -1), recv_bx1xK)
 
 
 def exchange_routed(

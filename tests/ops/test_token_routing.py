@@ -23,12 +23,12 @@ from hetjax.ops.token_routing import (
     exchange_routed,
     exchange_routes,
     gather_routes,
+    merge_modality_tokens,
     merge_routed,
     owner_rank,
     scatter_routes,
     token_routes,
 )
-from models.llm import merge_modality_tokens
 
 ATOL = 1e-6
 

@@ -2,17 +2,11 @@
 condition (the heterogeneous encoder moves fewer collective bytes than a homogeneous one
 that inherits tp > 1 or cp > 1)."""
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 from hetjax import Layout
+from tests.runtime.benchmarks import quick_rows
 
-ROOT = Path(__file__).resolve().parents[2]
-TIMEOUT_S = 600
 KEYS = {
     "scenario",
     "mode",
@@ -27,16 +21,7 @@ KINDS = {"all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective
 
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory):
-    out = tmp_path_factory.mktemp("bench_comm") / "rows.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "experiments.bench_comm", "--quick", "--json", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(out.read_text())
+    return quick_rows("bench_comm", tmp_path_factory.mktemp("bench_comm"))
 
 
 def encoder_bytes(rows, scenario, mode) -> int:

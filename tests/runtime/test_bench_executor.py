@@ -2,15 +2,9 @@
 issue's three "done when" conditions (no recompiles after step 1, one DP reduction per
 parameter per step, 1F1B's activation bytes within (P - s) / M of GPipe's)."""
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-TIMEOUT_S = 600
+from tests.runtime.benchmarks import quick_rows
 
 KEYS = {
     "layout",
@@ -30,16 +24,7 @@ KEYS = {
 
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory):
-    out = tmp_path_factory.mktemp("bench_executor") / "rows.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "experiments.bench_executor", "--quick", "--json", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(out.read_text())
+    return quick_rows("bench_executor", tmp_path_factory.mktemp("bench_executor"))
 
 
 @pytest.mark.slow
