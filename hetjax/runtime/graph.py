@@ -95,6 +95,18 @@ class TrainGraph:
         for m in self.modules:
             if m.name != sinks[0] and m.loss_inputs:
                 raise LayoutError(f"{m.name}: only the sink module {sinks[0]!r} takes loss_inputs")
+            links = sorted(l.name for l in self.links_into(m.name))
+            for name, key, _ in m.token_slots:
+                if name not in links:
+                    raise LayoutError(
+                        f"{m.name}: token_slots names link input {name!r}, but its links "
+                        f"bring {links}; use one of those names"
+                    )
+                if key not in m.seq_inputs:
+                    raise LayoutError(
+                        f"{m.name}: token_slots reads placeholders from {key!r}, which is not "
+                        f"one of its seq_inputs {list(m.seq_inputs)}; add it there"
+                    )
 
     @property
     def sink(self) -> str:

@@ -12,6 +12,7 @@ initialisers), so for those only the one-line contract is checked.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -243,6 +244,23 @@ def test_heads_must_divide_by_tp(model, lays, patterns):
     with pytest.raises(LayoutError) as excinfo:
         m.validate_layouts(lays)
     check_one_line(excinfo, *patterns, r"use tp in \[")
+
+
+@pytest.mark.parametrize(
+    ("slots", "pattern"),
+    [
+        ((("audio", "tokens", 3),), r"^llm: token_slots names link input 'audio'.*\['image'\]"),
+        ((("image", "targets", 3),), r"^llm: token_slots reads placeholders from 'targets'"),
+    ],
+    ids=["unknown-link", "not-a-sequence-input"],
+)
+def test_token_slots_must_name_a_link_and_a_sequence_input(model, slots, pattern):
+    m, _ = model
+    graph = m.train_graph(layouts(vision="dp=8", llm="dp=2,cp=4"))
+    llm = dataclasses.replace(graph.module("llm"), token_slots=slots, seq_inputs=("tokens",))
+    with pytest.raises(LayoutError) as excinfo:
+        dataclasses.replace(graph, modules=(graph.module("vision"), llm))
+    check_one_line(excinfo, pattern)
 
 
 def test_encoder_tokens_must_divide_by_cp(model):

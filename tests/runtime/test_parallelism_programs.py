@@ -296,6 +296,19 @@ def test_boundary_into_cp_llm_moves_only_each_ranks_own_positions(runs, tiny, na
 
 
 @pytest.mark.slow
+def test_routing_refuses_a_sample_with_more_placeholders_than_tokens(runs, tiny):
+    _, _, batch = tiny
+    ex = runs("het_cp4").ex
+    bad = dict(batch, tokens=batch["tokens"].copy())
+    bad["tokens"][3, -1] = tokenizer.PLACEHOLDERS["image"]  # N + 1 image slots in sample 3
+    with pytest.raises(ValueError) as excinfo:
+        ex._route({}, bad, ("vision", "llm"), 0, N)
+    message = str(excinfo.value)
+    assert "\n" not in message
+    assert message.startswith(f"sample 3 has {N + 1} placeholders but the encoder gives {N}")
+
+
+@pytest.mark.slow
 def test_boundary_across_islands_crosses_once_then_exchanges(tiny):
     """Non-colocated vision ``dp=4`` island -> LLM ``cp=4`` island: the tokens cross split
     evenly over the 4 cp ranks (each token crosses once: ``N`` per sample, no broadcast
