@@ -20,6 +20,10 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import NoReturn
 
+from hetjax.argtypes import non_negative_int as non_negative_int
+from hetjax.argtypes import positive_float as positive_float
+from hetjax.argtypes import positive_int as positive_int
+
 
 class ConfigError(ValueError):
     """A user's flag or configuration is invalid; the message names the fix."""
@@ -28,36 +32,6 @@ class ConfigError(ValueError):
 class OneLineParser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         raise ConfigError(f"{message} (see --help)")
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {value}")
-    return value
-
-
-def non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
 
 
 def accelerator_installed() -> bool:

@@ -1,7 +1,8 @@
 """Local multi-process launcher: ``python -m hetjax.launch --processes N ... -- MODULE ARGS``.
 
-Starts N copies of ``python -m MODULE ARGS`` on this machine, each told its place in the
-job through ``HETJAX_COORDINATOR`` / ``HETJAX_NUM_PROCESSES`` / ``HETJAX_PROCESS_ID`` /
+Starts N copies of ``python -m MODULE ARGS`` on this machine (``-- -m MODULE ARGS``, as
+``torchrun`` users type it, means the same), each told its place in the job through
+``HETJAX_COORDINATOR`` / ``HETJAX_NUM_PROCESSES`` / ``HETJAX_PROCESS_ID`` /
 ``HETJAX_LOCAL_DEVICES`` (read by :func:`hetjax.distributed.initialize`), and streams
 their output line by line with a ``[p0] `` prefix. If a process fails, the others get
 ``--grace`` seconds to stop on their own (their watchdog names the failure), then are
@@ -42,6 +43,7 @@ import threading
 import time
 from typing import IO, NoReturn
 
+from hetjax.argtypes import non_negative_float, positive_float, positive_int
 from hetjax.distributed import (
     ENV_COORDINATOR,
     ENV_LOCAL_DEVICES,
@@ -72,55 +74,32 @@ class _Parser(argparse.ArgumentParser):
         raise _UsageError(message)
 
 
-def _positive(kind: type):
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
-        return value
-
-    return parse
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
-    return value
-
-
 def _parser() -> _Parser:
     p = _Parser(
         prog=f"python -m {PROG}",
         description="Start N local JAX processes of one Python module.",
         usage=f"python -m {PROG} --processes N --devices-per-process K [options] "
-        "-- MODULE [ARGS ...]",
+        "-- [-m] MODULE [ARGS ...]",
     )
     p.add_argument(
-        "--processes", type=_positive(int), required=True, metavar="N", help="processes to start"
+        "--processes", type=positive_int, required=True, metavar="N", help="processes to start"
     )
     p.add_argument(
         "--devices-per-process",
-        type=_positive(int),
+        type=positive_int,
         required=True,
         metavar="K",
         help="devices each process uses (simulated CPU devices, or GPUs with --gpu)",
     )
     p.add_argument(
-        "--port", type=_positive(int), metavar="P", help="coordinator port (default: a free one)"
+        "--port", type=positive_int, metavar="P", help="coordinator port (default: a free one)"
     )
     p.add_argument(
-        "--timeout", type=_positive(float), metavar="S", help="stop everything after S seconds"
+        "--timeout", type=positive_float, metavar="S", help="stop everything after S seconds"
     )
     p.add_argument(
         "--grace",
-        type=_non_negative_float,
+        type=non_negative_float,
         default=10.0,
         metavar="S",
         help="seconds the others get to stop on their own after a failure (default 10)",
@@ -130,13 +109,19 @@ def _parser() -> _Parser:
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    """Splits ``FLAGS -- MODULE ARGS``; raises ``_UsageError`` with one line."""
+    """Splits ``FLAGS -- [-m] MODULE ARGS``; raises ``_UsageError`` with one line."""
     if "--" in argv:
         cut = argv.index("--")
         flags, command = argv[:cut], argv[cut + 1 :]
     else:
         flags, command = argv, []
     args = _parser().parse_args(flags)
+    if command[:1] == ["-m"]:  # torchrun's and python's spelling of the same thing
+        command = command[1:]
+        if not command:
+            raise _UsageError(
+                "missing the module after '-m': give e.g. '-- -m experiments.llava_train'"
+            )
     if not command:
         raise _UsageError("missing the program: add '-- MODULE [ARGS ...]' after the flags")
     if command[0].startswith("-") or not re.fullmatch(r"[A-Za-z_][\w.]*", command[0]):

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from hetjax import distributed, launch
+from hetjax.distributed import consistency
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = "tests.distributed._worker"
@@ -191,10 +192,11 @@ def test_timeout_stops_everything():
 
 
 @pytest.mark.multiprocess
-def test_sigterm_stops_the_launcher_and_its_processes():
+@pytest.mark.parametrize("program", [[], ["-m"]], ids=["module", "dash-m"])
+def test_sigterm_stops_the_launcher_and_its_processes(program):
     launcher = subprocess.Popen(
         [sys.executable, "-m", "hetjax.launch", "--processes", "2", "--devices-per-process",
-         "1", "--", "tests.distributed._sleeper"],
+         "1", "--", *program, "tests.distributed._sleeper"],
         cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
@@ -220,7 +222,8 @@ def test_sigterm_stops_the_launcher_and_its_processes():
         (["--processes", "x", "--devices-per-process", "4", "--", "m"], "positive"),
         (["--processes", "2", "--devices-per-process", "4", "--bogus", "--", "m"], "--bogus"),
         (["--processes", "2", "--devices-per-process", "4", "--port", "70000", "--", "m"], "port"),
-        (["--processes", "2", "--devices-per-process", "4", "--", "-m"], "not a Python module"),
+        (["--processes", "2", "--devices-per-process", "4", "--", "-c"], "not a Python module"),
+        (["--processes", "2", "--devices-per-process", "4", "--", "-m"], "module after '-m'"),
         (["--processes", "2", "--devices-per-process", "4", "--", "a/b.py"], "module name"),
     ],
 )
@@ -229,6 +232,13 @@ def test_bad_flags_give_one_line(argv, message, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("hetjax.launch: error: "), err
     assert message in err and err.rstrip().endswith("(see --help)"), err
+
+
+def test_dash_m_before_the_module_means_the_same_as_without():
+    flags = ["--processes", "2", "--devices-per-process", "1", "--"]
+    program = ["experiments.llava_train", "--steps", "3"]
+    assert launch.parse_args([*flags, "-m", *program]) == launch.parse_args([*flags, *program])
+    assert launch.parse_args([*flags, "-m", *program])[1] == program
 
 
 def test_bad_flags_from_the_command_line_exit_2_without_traceback():
@@ -298,20 +308,20 @@ def test_payloads_compare_by_value():
         layout: str
         stages: frozenset
 
-    a = distributed._canonical({"config": Config("dp=2", frozenset({"enc", "llm"})), "lr": 1e-3})
-    b = distributed._canonical({"lr": 0.001, "config": Config("dp=2", frozenset({"llm", "enc"}))})
+    a = consistency._canonical({"config": Config("dp=2", frozenset({"enc", "llm"})), "lr": 1e-3})
+    b = consistency._canonical({"lr": 0.001, "config": Config("dp=2", frozenset({"llm", "enc"}))})
     assert a == b
     assert a["config"] == '{"layout": "dp=2", "stages": ["\'enc\'", "\'llm\'"]}'
-    long = distributed._canonical({"x": list(range(1000))})["x"]
+    long = consistency._canonical({"x": list(range(1000))})["x"]
     assert len(long) < 100 and "sha256" in long
 
 
 def test_mismatch_message_names_keys_and_processes():
     same = {"seed": "0", "steps": "10", "layout": '"dp=2"'}
-    assert distributed._mismatch("config", [same, dict(same)]) is None
+    assert consistency._mismatch("config", [same, dict(same)]) is None
     other = {**same, "seed": "1"}
     del other["layout"]
-    message = distributed._mismatch("config", [same, dict(same), other])
+    message = consistency._mismatch("config", [same, dict(same), other])
     assert message == (
         'config differs between processes: process 2 has layout=<missing> (process 0: "dp=2"), '
         "seed=1 (process 0: 0); launch every process with the same flags"
