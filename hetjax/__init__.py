@@ -6,10 +6,16 @@ own parallel layout and devices. The public API:
 - :class:`StagedModule` - wrap a Flax NNX module as pre / stacked blocks / post.
 - :class:`Layout` - a module's ``dp, tp, cp, pp, ep`` degrees (``Layout.parse("dp=2,tp=2")``).
 - :class:`ModuleSpec`, :class:`Link`, :class:`TrainGraph` - the training graph.
+- :func:`plan_run` / :class:`RunPlan` - a run's settings checked and planned, before any
+  parameter exists.
 - :class:`Executor` - trains a graph colocated (three-phase), non-colocated (graph-aware
   1F1B on disjoint islands) or as the homogeneous baseline.
 - :class:`ReferenceTrainer` - single-mesh data-parallel training, the numerical reference.
-- :class:`OptimizerConfig` / :func:`make_optimizer` - AdamW + warm-up/cosine + clipping.
+- :class:`OptimizerConfig` / :func:`make_optimizer` - AdamW + warm-up/cosine + clipping;
+  the executor takes any optax transformation (:func:`clip_by_global_norm` clips by the
+  norm over all pipeline stages).
+- :class:`TrainState`, :class:`StepMetrics`, :class:`Observer` - the state pytree, one
+  step's metrics, the hooks for compiles, dispatches, transfers and steps.
 - :func:`run_training` and hooks - the host loop, metrics file, progress bar, summary.
 """
 
@@ -21,19 +27,31 @@ from hetjax.runtime import Executor as Executor
 from hetjax.runtime import JsonlWriter as JsonlWriter
 from hetjax.runtime import Link as Link
 from hetjax.runtime import ModuleSpec as ModuleSpec
+from hetjax.runtime import Observer as Observer
 from hetjax.runtime import OptimizerConfig as OptimizerConfig
 from hetjax.runtime import ParallelOptions as ParallelOptions
 from hetjax.runtime import ProgressBar as ProgressBar
 from hetjax.runtime import ReferenceTrainer as ReferenceTrainer
+from hetjax.runtime import RunPlan as RunPlan
+from hetjax.runtime import StepMetrics as StepMetrics
 from hetjax.runtime import Summary as Summary
 from hetjax.runtime import TrainGraph as TrainGraph
+from hetjax.runtime import TrainState as TrainState
+from hetjax.runtime import clip_by_global_norm as clip_by_global_norm
 from hetjax.runtime import make_optimizer as make_optimizer
+from hetjax.runtime import plan_run as plan_run
 from hetjax.runtime import run_training as run_training
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Executor",
+    "Observer",
+    "RunPlan",
+    "StepMetrics",
+    "TrainState",
+    "clip_by_global_norm",
+    "plan_run",
     "JsonlWriter",
     "Layout",
     "LayoutError",

@@ -22,7 +22,7 @@ from typing import Literal
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from hetjax.meshes import ModuleMesh
+from hetjax.meshes import LOGICAL_AXIS_RULES, ModuleMesh
 
 Transform = Literal["dp_equal", "fan_in", "fan_out", "non_dividing"]
 PlacementKind = Literal["colocated", "non-colocated"]
@@ -64,7 +64,7 @@ class Endpoint:
             module_mesh: the source module.
             stage: pipeline stage producing the activation; the last one by default.
         """
-        return cls.of(module_mesh, PartitionSpec(("dp", "ep")), stage=stage)
+        return cls.of(module_mesh, PartitionSpec(LOGICAL_AXIS_RULES["batch"]), stage=stage)
 
     @classmethod
     def destination(
@@ -78,7 +78,8 @@ class Endpoint:
             shard_tokens: shard the token dimension (dim 1) over ``cp``; otherwise the
                 activation is replicated over the cp ranks.
         """
-        spec = PartitionSpec(("dp", "ep"), "cp") if shard_tokens else PartitionSpec(("dp", "ep"))
+        batch, seq = LOGICAL_AXIS_RULES["batch"], LOGICAL_AXIS_RULES["seq"]
+        spec = PartitionSpec(batch, seq) if shard_tokens else PartitionSpec(batch)
         return cls.of(module_mesh, spec, stage=stage)
 
     @property

@@ -7,16 +7,25 @@ from .layout import Layout as Layout
 from .layout import LayoutError as LayoutError
 from .placement import ModuleMesh as ModuleMesh
 from .placement import Placement as Placement
+from .placement import island_positions as island_positions
 from .placement import place_modules as place_modules
 from .placement import validate_layout as validate_layout
+from .rules import BATCH_AXES as BATCH_AXES
 from .rules import LOGICAL_AXIS_RULES as LOGICAL_AXIS_RULES
+from .rules import batch_sharding as batch_sharding
 from .rules import logical_to_sharding as logical_to_sharding
 from .rules import logical_to_spec as logical_to_spec
 from .rules import param_shardings as param_shardings
+from .sequence import inverse_permutation as inverse_permutation
+from .sequence import zigzag_permutation as zigzag_permutation
 from .validation import validate_batch as validate_batch
 from .validation import validate_divisible as validate_divisible
 
 __all__ = [
+    "BATCH_AXES",
+    "batch_sharding",
+    "inverse_permutation",
+    "zigzag_permutation",
     "DEGREES",
     "LOGICAL_AXIS_RULES",
     "MESH_AXES",
@@ -28,6 +37,7 @@ __all__ = [
     "logical_to_sharding",
     "logical_to_spec",
     "param_shardings",
+    "island_positions",
     "place_modules",
     "validate_batch",
     "validate_divisible",

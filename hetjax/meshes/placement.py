@@ -191,3 +191,53 @@ def _island_positions(
         positions[name] = island
         start = (max(island) + 1) if island else start
     return positions
+
+
+def island_positions(
+    counts: Mapping[str, int] | None, layouts: Mapping[str, Layout], num_devices: int
+) -> dict[str, tuple[int, ...]]:
+    """Island device COUNTS, assigned in order, as device positions (non-colocated).
+
+    The one place where island sizes become positions: errors name the ``islands``
+    parameter (front ends translate that into their own flag names).
+
+    Args:
+        counts: module -> number of devices of its island, in placement order.
+        layouts: module -> layout; an island must have exactly its layout's devices.
+        num_devices: devices of the run.
+
+    Returns:
+        Module -> consecutive device positions.
+
+    Raises:
+        LayoutError: no islands, a module without (or an unknown module with) an island,
+            an island whose size disagrees with its layout, islands that do not fit.
+    """
+    need = {n: l.num_devices for n, l in layouts.items()}
+    if not counts:
+        raise LayoutError(
+            f"non-colocated placement needs an island per module, e.g. islands={need} for "
+            f"these layouts (islands are assigned in order and must fit the "
+            f"num_devices={num_devices} devices)"
+        )
+    missing = [n for n in layouts if n not in counts]
+    unknown = [n for n in counts if n not in layouts]
+    if missing or unknown:
+        raise LayoutError(
+            f"islands must name each module once: missing {missing}, unknown {unknown}"
+        )
+    positions, start = {}, 0
+    for name, count in counts.items():
+        if count != need[name]:
+            raise LayoutError(
+                f"{name}: island of {count} devices but its layout {layouts[name]} needs "
+                f"{need[name]}; make islands={{{name!r}: {need[name]}}} match the layout"
+            )
+        positions[name] = tuple(range(start, start + count))
+        start += count
+    if start > num_devices:
+        raise LayoutError(
+            f"islands need {start} devices but only {num_devices} exist; shrink the islands "
+            f"or use num_devices={start}"
+        )
+    return positions

@@ -48,6 +48,23 @@ LOGICAL_AXIS_RULES: Mapping[str, MeshAxes] = {
 
 LogicalNames = Sequence[str | None]
 
+BATCH_AXES: tuple[str, ...] = LOGICAL_AXIS_RULES["batch"]  # type: ignore[assignment]
+"""Mesh axes a batch dimension is split over (every data-parallel rank, experts' too)."""
+
+
+def batch_sharding(mesh: Mesh, ndim: int, *, sequence: bool = False) -> NamedSharding:
+    """An activation or batch array on a stage mesh: ``("batch", "seq", None, ...)``.
+
+    The leading axis is split by the ``"batch"`` rule; with ``sequence``, dim 1 by the
+    ``"seq"`` rule (when the mesh has ``cp > 1``); everything else is replicated. Every
+    place that lays out a batch (microbatches, stage transfers, boundaries, the stage
+    programs) asks this function, so the rule is written once.
+    """
+    names: list[str | None] = ["batch"] + [None] * (ndim - 1)
+    if sequence and ndim >= 2 and mesh.shape[LOGICAL_AXIS_RULES["seq"]] > 1:
+        names[1] = "seq"
+    return logical_to_sharding(names, mesh)
+
 
 def logical_to_spec(names: LogicalNames, *, stage_mesh: bool) -> PartitionSpec:
     """Turns one array's logical axis names into a PartitionSpec.

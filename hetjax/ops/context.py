@@ -39,10 +39,10 @@ class ParallelContext:
 
     def positions(self, seq_len: int) -> np.ndarray:
         """Original position of each stored sequence element. With ``cp > 1`` sequences
-        are stored in the load-balanced zigzag order (see ``hetjax.ops.ring_attention``)."""
+        are stored in the load-balanced zigzag order (see ``hetjax.meshes.sequence``)."""
         if self.cp == 1:
             return np.arange(seq_len)
-        from hetjax.ops.ring_attention import zigzag_permutation
+        from hetjax.meshes.sequence import zigzag_permutation
 
         return zigzag_permutation(seq_len, self.cp)
 

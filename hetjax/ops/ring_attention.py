@@ -46,8 +46,9 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import Mesh, PartitionSpec
+
+from hetjax.meshes.sequence import inverse_permutation, zigzag_permutation
 
 __all__ = [
     "causal_attention",
@@ -57,46 +58,6 @@ __all__ = [
 ]
 
 Impl = Literal["ring", "allgather"]
-
-
-# -- zigzag layout ----------------------------------------------------------------------
-
-
-def zigzag_permutation(seq_len: int, cp: int) -> np.ndarray:
-    """Storage order of a sequence for load-balanced causal context parallelism.
-
-    Args:
-        seq_len: full sequence length ``L``; must be a multiple of ``2 * cp``.
-        cp: number of context-parallel ranks.
-
-    Returns:
-        ``perm`` of shape ``[L]``: ``x_stored = x[:, perm]`` and ``perm`` is also the
-        ``positions`` array (original position of each stored token) for RoPE and the
-        causal mask. Rank ``r`` of an even split holds chunks ``r`` and ``2*cp-1-r``.
-
-    Raises:
-        ValueError: ``seq_len`` is not a multiple of ``2 * cp``.
-
-    Example:
-        >>> zigzag_permutation(8, 2)
-        array([0, 1, 6, 7, 2, 3, 4, 5])
-    """
-    if cp < 1 or seq_len % (2 * cp):
-        raise ValueError(
-            f"zigzag layout: sequence length {seq_len} must be a multiple of 2*cp = {2 * cp};"
-            " pad the sequence or change cp"
-        )
-    chunk = seq_len // (2 * cp)
-    order = [c for r in range(cp) for c in (r, 2 * cp - 1 - r)]
-    return np.concatenate([np.arange(c * chunk, (c + 1) * chunk) for c in order])
-
-
-def inverse_permutation(perm: np.ndarray) -> np.ndarray:
-    """``inv`` with ``x[:, perm][:, inv] == x``: takes stored order back to the original."""
-    perm = np.asarray(perm)
-    inv = np.empty_like(perm)
-    inv[perm] = np.arange(perm.size, dtype=perm.dtype)
-    return inv
 
 
 # -- single-device maths ----------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The host training loop and its hooks (metrics file, progress bar, summary).
+"""The host training loop and its observers (metrics file, progress bar, summary).
 
 The loop dispatches step N before it reads step N-1's metrics, so the host prepares and
 enqueues the next step while the devices still work on the previous one. Hooks only see
@@ -11,15 +11,12 @@ import json
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import IO, Any, Protocol
+from typing import IO, Any
 
+from hetjax.runtime.observers import Observer
+from hetjax.runtime.reduce import StepMetrics
 
-class Hook(Protocol):
-    """Something that observes finished steps."""
-
-    def on_step(self, step: int, metrics: Mapping[str, float]) -> None: ...
-
-    def on_end(self, history: Sequence[Mapping[str, float]]) -> None: ...
+Hook = Observer  # what the loop calls: on_step / on_end (any object with those two)
 
 
 def run_training(
@@ -28,41 +25,58 @@ def run_training(
     *,
     tokens_per_step: int,
     hooks: Sequence[Hook] = (),
+    start: int = 0,
 ) -> list[dict[str, float]]:
-    """Runs ``step_fn(0) ... step_fn(steps - 1)``; returns the per-step metrics.
+    """Runs ``step_fn(start) ... step_fn(steps - 1)``; returns the per-step metrics.
+
+    A step's time is the interval between the moments the host sees it and the step
+    before it finished: a step is seen finished when its metrics are ready (checked
+    right after each dispatch, which may itself wait on the devices) or when reading
+    them returns. So a dispatch that blocks is not billed to the wrong step, and the
+    last step's time is its own.
 
     Args:
-        step_fn: dispatches one step and returns its metrics as device scalars.
-        steps: number of steps.
+        step_fn: dispatches one step and returns its metrics (a
+            :class:`~hetjax.runtime.reduce.StepMetrics`, or a mapping of device scalars or
+            floats).
+        steps: index one past the last step.
         tokens_per_step: tokens in one global batch, for throughput.
         hooks: observers, called in order after each step and at the end.
+        start: the first step's index.
     """
     history: list[dict[str, float]] = []
     pending: tuple[int, Mapping[str, Any]] | None = None
-    last = time.perf_counter()
+    done_at = {start - 1: time.perf_counter()}
+
+    def seen(step: int, metrics: Mapping[str, Any], now: float) -> None:
+        if step not in done_at and _ready(metrics):
+            done_at[step] = now
 
     def report(done: int, step_metrics: Mapping[str, Any]) -> None:
-        nonlocal last
         metrics = {k: float(v) for k, v in step_metrics.items()}  # waits for step `done`
-        now = time.perf_counter()
+        done_at.setdefault(done, time.perf_counter())
+        elapsed = max(done_at[done] - done_at[done - 1], 1e-9)
         metrics.update(
             step=done,
             tokens=tokens_per_step,
-            step_time_s=now - last,
-            tokens_per_s=tokens_per_step / max(now - last, 1e-9),
+            step_time_s=elapsed,
+            tokens_per_s=tokens_per_step / elapsed,
         )
-        last = now
         history.append(metrics)
         for hook in hooks:
             hook.on_step(done, metrics)
 
-    for step in range(steps + 1):
+    for step in range(start, steps + 1):
         current = (step, step_fn(step)) if step < steps else None
+        now = time.perf_counter()
+        for item in (pending, current):
+            if item is not None:
+                seen(*item, now)
         if pending is not None:
             report(*pending)
             pending = None
         if current is not None:
-            if all(isinstance(v, float) for v in current[1].values()):
+            if getattr(current[1], "on_host", False):
                 # Host metrics (a multi-process step syncs the host itself): report now,
                 # or this step's time would be measured after the next one.
                 report(*current)
@@ -73,7 +87,14 @@ def run_training(
     return history
 
 
-class JsonlWriter:
+def _ready(metrics: Mapping[str, Any]) -> bool:
+    """Whether every value is computed (host values always are)."""
+    if isinstance(metrics, StepMetrics):
+        return metrics.is_ready()
+    return all(v.is_ready() if hasattr(v, "is_ready") else True for v in metrics.values())
+
+
+class JsonlWriter(Observer):
     """Writes one JSON object per step to ``path`` (JSON Lines), ``step`` first."""
 
     def __init__(self, path: str):
@@ -88,7 +109,7 @@ class JsonlWriter:
         self._file.close()
 
 
-class ProgressBar:
+class ProgressBar(Observer):
     """A one-line progress bar on a terminal; a log line every ``every`` steps otherwise."""
 
     def __init__(self, total: int, *, stream: IO[str] | None = None, every: int = 10):
@@ -118,7 +139,7 @@ class ProgressBar:
         pass
 
 
-class Summary:
+class Summary(Observer):
     """Prints a one-screen summary at the end: the run's set-up, then loss and throughput."""
 
     def __init__(self, header: Mapping[str, Any], *, stream: IO[str] | None = None):

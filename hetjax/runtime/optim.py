@@ -1,5 +1,9 @@
 """Optimiser: AdamW with linear warm-up + cosine decay and global-norm clipping.
 
+:class:`OptimizerConfig` is the convenience that builds it; the executor and the
+reference trainer take any optax transformation. The one cross-stage piece, global-norm
+clipping, is :func:`clip_by_global_norm`, fed the norm over all stages.
+
 Weight decay follows Megatron: matrices decay, biases and norm scales do not. Which
 leaves are matrices is decided from logical axis names (ignoring the stacked
 ``"layers"`` axis), not from ``ndim``, because stacking blocks adds a dimension.
@@ -11,6 +15,7 @@ import dataclasses
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 
 
@@ -58,11 +63,41 @@ def decay_mask(logical_axes: Any) -> Any:
     )
 
 
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArgs:
+    """``optax.clip_by_global_norm`` whose norm can be given from outside.
+
+    The executor updates every pipeline stage separately, so no stage sees all the
+    gradients; it passes the norm over ALL stages as the ``global_norm`` extra argument
+    (``optax.chain`` forwards it). Without one (the reference trainer, which holds the
+    whole tree) the norm is computed from ``updates``, exactly as optax does. Put it
+    first in a chain given to :class:`hetjax.Executor` instead of optax's own, which
+    would clip every stage by its own norm.
+
+    Example:
+        >>> tx = optax.chain(clip_by_global_norm(1.0), optax.sgd(1e-2, momentum=0.9))
+    """
+
+    def init(params):
+        del params
+        return optax.EmptyState()
+
+    def update(updates, state, params=None, *, global_norm=None, **extra_args):
+        del params, extra_args
+        norm = optax.global_norm(updates) if global_norm is None else global_norm
+        clipped = jax.tree.map(
+            lambda g: jnp.where(norm < max_norm, g, (g / norm.astype(g.dtype)) * max_norm),
+            updates,
+        )
+        return clipped, state
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
 def make_optimizer(
     cfg: OptimizerConfig, *, logical_axes: Any | None = None
 ) -> optax.GradientTransformation:
     """AdamW (+ clipping); decays every leaf when ``logical_axes`` is not given."""
-    parts = [optax.clip_by_global_norm(cfg.clip_norm)] if cfg.clip_norm > 0 else []
+    parts = [clip_by_global_norm(cfg.clip_norm)] if cfg.clip_norm > 0 else []
     parts.append(
         optax.adamw(
             learning_rate_schedule(cfg),

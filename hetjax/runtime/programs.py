@@ -31,22 +31,16 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from hetjax.meshes import param_shardings
+from hetjax.meshes import BATCH_AXES, param_shardings
 from hetjax.ops.context import parallel_context
 from hetjax.ops.token_routing import Routed
 from hetjax.runtime.graph import ModuleSpec
+from hetjax.runtime.jitted import Program
+from hetjax.runtime.observers import Observers
 from hetjax.runtime.optim import OptimizerConfig, make_optimizer
+from hetjax.runtime.state import slice_stage
 
-BATCH_AXES = ("dp", "ep")  # the batch dimension is split over both
 REPLICA_AXIS = "dp"  # gradients are kept per replica of this axis until the step ends
-
-
-def batch_sharding(mesh: Mesh, ndim: int, *, sequence: bool = False) -> NamedSharding:
-    """Leading (batch) axis over the data-parallel ranks; with ``sequence``, dim 1 over
-    the context-parallel ranks; everything else replicated."""
-    if sequence and ndim >= 2 and mesh.shape["cp"] > 1:
-        return NamedSharding(mesh, P(BATCH_AXES, "cp", *([None] * (ndim - 2))))
-    return NamedSharding(mesh, P(BATCH_AXES, *([None] * (ndim - 1))))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,31 +81,6 @@ def sqnorms_by_key(tree: dict[str, Any]) -> dict[str, jax.Array]:
     return {k: sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(v)) for k, v in tree.items()}
 
 
-def slice_stage(spec: ModuleSpec, stage: int, full: dict[str, Any]) -> dict[str, Any]:
-    """Stage ``stage``'s part of a full parameter (or logical-axes) tree of ``spec``.
-
-    The first stage holds the main part's ``pre``, every stage its own block range, the
-    last stage the main part's ``post`` and all further parts (e.g. the projector).
-    """
-    main = spec.parts[0]
-    first, last = stage == 0, stage == spec.layout.pp - 1
-    start, stop = spec.stage_layers(stage)
-    own: dict[str, Any] = {}
-    for part, tree in full[main.name].items():
-        if part == "pre" and first or part == "post" and last:
-            own[part] = tree
-        elif part == "blocks":
-            own[part] = jax.tree.map(
-                lambda a: a[start:stop] if hasattr(a, "shape") else a,
-                tree,
-                is_leaf=lambda x: isinstance(x, tuple),
-            )
-    sliced = {main.name: own}
-    if last:
-        sliced.update({p.name: full[p.name] for p in spec.parts[1:]})
-    return sliced
-
-
 class StageProgram:
     """Parameters slice and compiled programs of one pipeline stage of one module.
 
@@ -120,9 +89,12 @@ class StageProgram:
         stage: pipeline stage index within the module.
         mesh: the stage's submesh (axes ``dp, ep, cp, tp``).
         is_sink: whether the module returns the loss.
-        optimizer: AdamW settings. The stage runs AdamW on its own parameters (it is
-            elementwise) with the weight-decay mask of its own logical axes; clipping
-            needs the GLOBAL gradient norm of all stages, which ``update`` receives.
+        optimizer: an optax transformation, or AdamW settings (then built with the
+            weight-decay mask of this stage's logical axes). Every stage runs it on its
+            own parameters, so it must be elementwise across stages, except for
+            :func:`hetjax.clip_by_global_norm`, which ``update`` feeds the GLOBAL
+            gradient norm of all stages (as the ``global_norm`` extra argument).
+        observers: told of every compile.
     """
 
     def __init__(
@@ -132,8 +104,9 @@ class StageProgram:
         mesh: Mesh,
         *,
         is_sink: bool,
-        optimizer: OptimizerConfig,
+        optimizer: OptimizerConfig | optax.GradientTransformation,
         options: ParallelOptions = ParallelOptions(),
+        observers: Observers | None = None,
     ):
         self.spec, self.stage, self.mesh = spec, stage, mesh
         self.options = options
@@ -148,17 +121,25 @@ class StageProgram:
         self.acc_shardings = jax.tree.map(
             lambda s: NamedSharding(mesh, P(REPLICA_AXIS, *s.spec)), self.param_shardings
         )
-        self.optimizer = make_optimizer(
-            dataclasses.replace(optimizer, clip_norm=0.0), logical_axes=self.axes
-        )
-        self.clip_norm = optimizer.clip_norm
-        self.fwd = jax.jit(self._forward)
+        if isinstance(optimizer, OptimizerConfig):
+            optimizer = make_optimizer(optimizer, logical_axes=self.axes)
+        self.optimizer = optax.with_extra_args_support(optimizer)
+        key = (spec.name, stage)
+        observers = observers or Observers()
+
+        def program(fn, kind, **jit_kwargs):
+            return Program(fn, stage=key, kind=kind, observers=observers, **jit_kwargs)
+
+        self.fwd = program(self._forward, "fwd")
         # Output shardings are pinned so that step 2 sees the same input shardings as
         # step 1: nothing recompiles after the first step.
-        self.bwd = jax.jit(
-            self._backward, donate_argnums=(1,), out_shardings=(self.acc_shardings, None, None)
+        self.bwd = program(
+            self._backward,
+            "bwd",
+            donate_argnums=(1,),
+            out_shardings=(self.acc_shardings, None, None),
         )
-        self.zeros = jax.jit(self._zeros, out_shardings=self.acc_shardings)
+        self.zeros = program(self._zeros, "zeros", out_shardings=self.acc_shardings)
         # ZeRO-1: reduced gradients and optimiser moments split over dp, so the one DP
         # reduction is a reduce-scatter and the update's output an all-gather.
         self.grad_shardings = self.param_shardings
@@ -168,7 +149,7 @@ class StageProgram:
                 self.param_shardings,
                 self._abstract_stage(),
             )
-        self.reduce = jax.jit(self._reduce, out_shardings=(self.grad_shardings, None))
+        self.reduce = program(self._reduce, "reduce", out_shardings=(self.grad_shardings, None))
         # Optimiser moments are sharded like their gradients; counters are replicated.
         self.state_shardings = optax.tree_map_params(
             self.optimizer,
@@ -178,8 +159,9 @@ class StageProgram:
             transform_non_params=lambda _: self.replicated,
         )
         self.init_opt_state = jax.jit(self.optimizer.init, out_shardings=self.state_shardings)
-        self.update = jax.jit(
+        self.update = program(
             self._update,
+            "update",
             donate_argnums=(0, 1, 2),
             out_shardings=(self.param_shardings, self.state_shardings, None),
         )
@@ -331,13 +313,9 @@ class StageProgram:
         return grads, sqnorms_by_key(grads)
 
     def _update(self, params, opt_state, grads, global_norm):
-        if self.clip_norm > 0:  # optax.clip_by_global_norm, with the norm of ALL stages
-            grads = jax.tree.map(
-                lambda g: jnp.where(
-                    global_norm < self.clip_norm, g, g / global_norm * self.clip_norm
-                ),
-                grads,
-            )
-        updates, opt_state = self.optimizer.update(grads, opt_state, params)
+        # hetjax.clip_by_global_norm in the chain clips with the norm of ALL stages.
+        updates, opt_state = self.optimizer.update(
+            grads, opt_state, params, global_norm=global_norm
+        )
         params = optax.apply_updates(params, updates)
         return params, opt_state, sqnorms_by_key(params)

@@ -17,15 +17,24 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from hetjax.boundary import Boundary, EdgeSpec, Endpoint, MultiProcessTransport
-from hetjax.meshes import ModuleMesh
+from hetjax.boundary import (
+    Boundary,
+    EdgeSpec,
+    Endpoint,
+    MultiProcessTransport,
+    naive_device_put_bytes,
+)
+from hetjax.meshes import BATCH_AXES, ModuleMesh, batch_sharding
 from hetjax.ops.token_routing import Routed, exchange_routed, gather_routes, scatter_routes
-from hetjax.runtime.programs import BATCH_AXES, batch_sharding
+
+Direction = Literal["forward", "backward"]
 
 
 class StageTransfer:
@@ -55,6 +64,12 @@ class StageTransfer:
         if self.boundary is not None:
             return self.boundary.backward(ct)
         return jax.device_put(ct, batch_sharding(self.src_mesh, ct.ndim, sequence=True))
+
+    def moved_bytes(self, x: jax.Array, direction: Direction) -> int:
+        """Bytes the copy of ``x`` moves between devices (all devices together)."""
+        mesh = self.dst_mesh if direction == "forward" else self.src_mesh
+        dst = batch_sharding(mesh, x.ndim, sequence=True)
+        return naive_device_put_bytes(x.sharding, dst, x.shape, x.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,3 +167,26 @@ class LinkTransfer:
             return self.routed_boundary.backward(split)
         ct = self.routed_boundary.backward(ct.tokens)
         return self._scatter(ct, route.index, route.num_tokens)
+
+    def moved_bytes(self, x: jax.Array | Routed, route: Route | None, direction: Direction) -> int:
+        """Bytes the transfer of ``x`` moves between devices (all devices together).
+
+        Routed tokens take the by-position boundary: packed per rank at the source, or
+        split evenly and then exchanged (the all-to-all moves every (holder, owner) block
+        but a rank's own)."""
+        a = x.tokens if isinstance(x, Routed) else x
+        boundary, shape, exchanged = self.boundary, a.shape, 0
+        if route is not None:
+            boundary = self.routed_boundary
+            if route.send is not None:
+                b, cp, _, k2 = route.send.shape
+                shape = (b, route.num_tokens, *a.shape[2:])
+                exchanged = b * cp * (cp - 1) * k2 * math.prod(a.shape[2:]) * a.dtype.itemsize
+            elif not isinstance(x, Routed):
+                _, cp, k = route.index.shape
+                shape = (a.shape[0], cp * k, *a.shape[2:])
+        if boundary is None:
+            return exchanged
+        plan = boundary.plan(shape, a.dtype)
+        plan = plan if direction == "forward" else plan.reverse()
+        return exchanged + plan.cross_island_bytes + plan.local_collective_bytes

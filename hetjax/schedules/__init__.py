@@ -3,7 +3,8 @@
 A `Schedule` gives each pipeline stage an ordered list of `Action`s (F/B of a microbatch,
 send/recv of an activation or gradient on an `Edge`). Generators build the schedules
 hetjax runs: `gpipe`, `one_f_one_b` (Megatron 1F1B), `graph_one_f_one_b` (the paper's
-graph-aware 1F1B over a `ModuleGraph`, non-colocated) and `three_phase` (colocated).
+graph-aware 1F1B over a `ModuleGraph`, non-colocated), `three_phase` (colocated) and
+`fused_encoders` (the homogeneous baseline).
 `check_schedule` proves a schedule complete, causal, within its memory bound and free of
 deadlock; `simulate` times it and draws a Gantt chart.
 
@@ -22,6 +23,7 @@ from .checker import check_schedule as check_schedule
 from .errors import ScheduleError as ScheduleError
 from .execution import SendMode as SendMode
 from .execution import dispatch_order as dispatch_order
+from .fused import fused_encoders as fused_encoders
 from .gpipe import gpipe as gpipe
 from .gpipe import graph_gpipe as graph_gpipe
 from .graph import ModuleGraph as ModuleGraph
@@ -60,6 +62,7 @@ __all__ = [
     "build_schedule",
     "check_schedule",
     "dispatch_order",
+    "fused_encoders",
     "gpipe",
     "graph_gpipe",
     "graph_one_f_one_b",

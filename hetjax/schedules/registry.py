@@ -9,15 +9,18 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
+from .fused import fused_encoders
 from .gpipe import gpipe, graph_gpipe
 from .graph import ModuleGraph
 from .one_f_one_b import graph_one_f_one_b, one_f_one_b
 from .schedule import Schedule
 from .three_phase import three_phase_for_graph
 
-ScheduleName = Literal["gpipe", "1f1b", "graph_1f1b", "three_phase"]
+ScheduleName = Literal["gpipe", "1f1b", "graph_1f1b", "three_phase", "fused_1f1b", "fused_gpipe"]
 """Names `schedule_for` accepts: ``gpipe`` and ``1f1b`` take ``num_stages`` or a graph;
-``graph_1f1b`` (non-colocated) and ``three_phase`` (colocated) take a graph."""
+``graph_1f1b`` (non-colocated), ``three_phase`` (colocated) and ``fused_1f1b`` /
+``fused_gpipe`` (the homogeneous baseline: encoders inside the sink's first stage) take a
+graph."""
 
 SCHEDULE_NAMES: tuple[str, ...] = get_args(ScheduleName)
 
@@ -62,6 +65,8 @@ def schedule_for(
         raise ValueError(f"schedule {name!r} needs graph=ModuleGraph(...), not num_stages.")
     if name == "gpipe":
         return graph_gpipe(graph, num_microbatches)
+    if name in ("fused_1f1b", "fused_gpipe"):
+        return fused_encoders(graph, num_microbatches, order=name.removeprefix("fused_"))
     if name == "three_phase":
         return three_phase_for_graph(graph, num_microbatches)
     return graph_one_f_one_b(graph, num_microbatches)

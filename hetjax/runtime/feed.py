@@ -1,0 +1,94 @@
+"""Feeding a step: microbatch slices of the global batch, and token routes.
+
+The executor gets ONE global batch per step (host numpy arrays, the same on every
+process). :class:`Feed` cuts microbatch ``m`` for a stage, stores sequence inputs of a
+``cp > 1`` module in the zigzag layout (:func:`hetjax.meshes.zigzag_permutation`), and
+puts them on the stage's mesh with the batch rule (:func:`hetjax.meshes.batch_sharding`);
+only this process's shards are built. For links into a ``cp > 1`` module that merges
+tokens into placeholders it computes, once per step, which tokens each cp rank receives
+(:mod:`hetjax.ops.token_routing`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import jax
+import numpy as np
+
+from hetjax.meshes import batch_sharding, zigzag_permutation
+from hetjax.ops.token_routing import exchange_routes, token_routes
+from hetjax.runtime.programs import StageProgram, put_global
+from hetjax.runtime.transfer import LinkTransfer, Route
+
+
+class Feed:
+    """One step's inputs: ``batch`` split into ``microbatches`` for every stage.
+
+    Args:
+        batch: the global batch (host arrays with a leading batch axis).
+        microbatches: microbatches per step.
+        routed: link ``(src, dst)`` -> ``(batch key of the placeholders, placeholder id)``.
+        links: the link transfers, for where a route's arrays live.
+        cp: module -> its context-parallel degree.
+    """
+
+    def __init__(
+        self,
+        batch: Mapping[str, np.ndarray],
+        microbatches: int,
+        *,
+        routed: Mapping[tuple[str, str], tuple[str, int]],
+        links: Mapping[tuple[str, str], LinkTransfer],
+        cp: Mapping[str, int],
+    ):
+        self.batch = batch
+        self.microbatches = microbatches
+        self.size = next(iter(batch.values())).shape[0] // microbatches
+        self._routed, self._links, self._cp = routed, links, cp
+        self._routes: dict[tuple[str, str], list[Route]] = {}
+
+    def inputs(self, prog: StageProgram, m: int) -> dict[str, jax.Array]:
+        """Microbatch ``m`` of the batch keys stage ``prog`` reads, on its mesh."""
+        out = {}
+        for k in prog.batch_keys:
+            value = self.batch[k][m * self.size : (m + 1) * self.size]
+            seq = k in prog.spec.seq_inputs
+            if seq and prog.spec.layout.cp > 1:  # stored load-balanced, as the model expects
+                value = value[:, zigzag_permutation(value.shape[1], prog.spec.layout.cp)]
+            out[k] = put_global(value, batch_sharding(prog.mesh, value.ndim, sequence=seq))
+        return out
+
+    def route(self, link: tuple[str, str], m: int, num_tokens: int) -> Route | None:
+        """Microbatch ``m``'s token routing on ``link`` (``num_tokens`` per sample).
+
+        Built on the first call of the step from the whole batch, so every microbatch of
+        the step uses one slot count (one compiled shape)."""
+        if link not in self._routed:
+            return None
+        if link not in self._routes:
+            self._routes[link] = self._build_routes(link, num_tokens)
+        return self._routes[link][m]
+
+    def existing_route(self, link: tuple[str, str], m: int) -> Route | None:
+        """The route the forward of microbatch ``m`` used on ``link`` (for its backward)."""
+        return self._routes[link][m] if link in self._routes else None
+
+    def _build_routes(self, link: tuple[str, str], n: int) -> list[Route]:
+        key, placeholder = self._routed[link]
+        transfer = self._links[link]
+        cp = self._cp[link[1]]
+        idx = token_routes(np.asarray(self.batch[key]) == placeholder, n, cp)
+        size = len(idx) // self.microbatches
+        routes = []
+        for i in range(self.microbatches):
+            part = idx[i * size : (i + 1) * size]
+            if transfer.exchange and n % cp == 0:  # across islands: exchange at dst
+                send, recv = exchange_routes(part, n)
+                sharding = transfer.split_sharding
+                routes.append(
+                    Route(n, send=put_global(send, sharding), recv=put_global(recv, sharding))
+                )
+            else:
+                routes.append(Route(n, index=put_global(part, transfer.index_sharding)))
+        return routes

@@ -1,0 +1,84 @@
+"""The training state as one pytree, and the per-stage <-> full parameter views.
+
+:class:`TrainState` is what the executor owns between steps: each pipeline stage's
+parameters and optimizer state (keyed ``(module, stage)``) and the step count. It is a
+pytree, so ``jax.device_get``, ``jax.tree.map`` and orbax handle it as is; the executor
+returns it (:attr:`Executor.state`) and can be given one (``Executor(..., state=...)``).
+
+:func:`slice_stage` cuts a module's full parameter tree into one stage's part;
+:func:`full_params` is its inverse, gathering every stage back into the single-device
+layout (the form checkpoints and the reference trainer use).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from hetjax.runtime.graph import ModuleSpec, TrainGraph
+
+StageKey = tuple[str, int]  # (module name, pipeline stage index)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TrainState:
+    """Per-stage parameters and optimizer states, and the number of steps taken."""
+
+    params: dict[StageKey, Any]  # (module, stage) -> that stage's parameter tree
+    opt_state: dict[StageKey, Any]  # (module, stage) -> its optax state
+    step: int = 0  # optimiser steps applied so far
+
+
+def slice_stage(spec: ModuleSpec, stage: int, full: Mapping[str, Any]) -> dict[str, Any]:
+    """Stage ``stage``'s part of a full parameter (or logical-axes) tree of ``spec``.
+
+    The first stage holds the main part's ``pre``, every stage its own block range, the
+    last stage the main part's ``post`` and all further parts (e.g. the projector).
+    """
+    main = spec.parts[0]
+    first, last = stage == 0, stage == spec.layout.pp - 1
+    start, stop = spec.stage_layers(stage)
+    own: dict[str, Any] = {}
+    for part, tree in full[main.name].items():
+        if part == "pre" and first or part == "post" and last:
+            own[part] = tree
+        elif part == "blocks":
+            own[part] = jax.tree.map(
+                lambda a: a[start:stop] if hasattr(a, "shape") else a,
+                tree,
+                is_leaf=lambda x: isinstance(x, tuple),
+            )
+    sliced = {main.name: own}
+    if last:
+        sliced.update({p.name: full[p.name] for p in spec.parts[1:]})
+    return sliced
+
+
+def full_params(graph: TrainGraph, params: Mapping[StageKey, Any]) -> dict[str, Any]:
+    """Every stage's parameters gathered into the single-device layout (host numpy).
+
+    The inverse of :func:`slice_stage` over all stages: blocks are concatenated in stage
+    order, ``pre`` comes from the first stage, ``post`` and further parts from the last.
+    """
+    out: dict[str, Any] = {}
+    for spec in graph.modules:
+        main = spec.parts[0]
+        stages = [jax.device_get(params[(spec.name, s)]) for s in range(spec.layout.pp)]
+        tree = {}
+        if "pre" in stages[0][main.name]:
+            tree["pre"] = stages[0][main.name]["pre"]
+        if "blocks" in stages[0][main.name]:
+            tree["blocks"] = jax.tree.map(
+                lambda *xs: np.concatenate(xs), *[s[main.name]["blocks"] for s in stages]
+            )
+        if "post" in stages[-1][main.name]:
+            tree["post"] = stages[-1][main.name]["post"]
+        out[main.name] = tree
+        for part in spec.parts[1:]:
+            out[part.name] = stages[-1][part.name]
+    return out
