@@ -105,7 +105,8 @@ class DataConfig:
             raise ValueError(
                 f"--seq-len {self.seq_len} is too short: samples need up to {need} tokens "
                 f"({self.image_tokens} image + {self.audio_tokens} audio placeholder tokens, "
-                f"prompt and answer); use --seq-len {need - 1} or more"
+                f"prompt, answer, BOS and EOS), which is {need - 1} inputs once the targets "
+                f"are shifted by one; use --seq-len {need - 1} or more"
             )
 
 

@@ -19,10 +19,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from hetjax.ops import MoEFFN, attach_aux_loss, load_balance_loss_per_sample, ring_attention
 from hetjax.ops import context as parallel
-from hetjax.ops.aux_loss import attach_aux_loss, load_balance_loss_per_sample
-from hetjax.ops.moe import MoEFFN
-from hetjax.ops.ring_attention import ring_attention
 from models.config import MoEConfig
 
 Axes = tuple[str | None, ...]

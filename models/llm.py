@@ -19,8 +19,7 @@ from flax import nnx
 
 from hetjax.modules import StagedModule
 from hetjax.ops import context as parallel
-from hetjax.ops.embedding import vocab_parallel_lookup
-from hetjax.ops.token_routing import merge_modality_tokens, merge_routed
+from hetjax.ops import merge_modality_tokens, merge_routed, vocab_parallel_lookup
 from models.config import LLMConfig
 from models.layers import DecoderBlock, Dense, RMSNorm, normal_param
 

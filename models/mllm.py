@@ -18,9 +18,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from hetjax import Layout, Link, ModuleSpec, TrainGraph
-from hetjax.meshes import LayoutError, validate_divisible
-from hetjax.modules import Params, StagedModule
+from hetjax import Layout, LayoutError, Link, ModuleSpec, Params, StagedModule, TrainGraph
+from hetjax.meshes import validate_divisible
 from models import tokenizer
 from models.config import MLLMConfig
 from models.encoders import make_encoder, make_projector
@@ -93,7 +92,7 @@ class MLLM:
 
         Args:
             layouts: layout per module name (``vision``, ``audio``, ``llm``); every module
-                must have one (see :func:`resolve_layouts` for the CLI's defaults).
+                must have one (the CLI gives modules without ``--layout`` the LLM's).
         """
         modules, links = [], []
         for modality in self.modalities:

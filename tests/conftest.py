@@ -1,8 +1,20 @@
 """Test set-up: 8 simulated CPU devices, configured before JAX starts its backend."""
 
 import os
+from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Most of the suite's time is XLA compiling the same stage programs again: in different
+# tests (every Executor jits its own closures) and in the subprocesses the CLI and
+# multi-process tests start. A persistent compilation cache shared by all of them (they
+# inherit the environment) turns every repeat into a load. It lives beside pytest's own
+# cache, so a fresh clone starts empty; the key covers the program, the compile options
+# and the device assignment, so a hit is the very executable a compile would give.
+os.environ.setdefault(
+    "JAX_COMPILATION_CACHE_DIR", str(Path(__file__).resolve().parents[1] / ".pytest_cache" / "jax")
+)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # XLA:CPU aborts when a collective waits 40 s for a participant; tests start several
 # processes on 2 cores, which can starve a device thread that long. Subprocesses inherit it.
 os.environ["XLA_FLAGS"] = (

@@ -3,7 +3,7 @@
 Values are checked by ``test_parallelism_parity.py``; this file checks the collectives
 and memory the paper's argument rests on, from ``jit.lower(args).compile()`` of every
 stage program with the arguments captured during one real step (the compile is a cache
-hit), parsed by :mod:`experiments.bench_comm` (loop trip counts included):
+hit), parsed by :mod:`hetjax.inspect` (loop trip counts included):
 
 (a) an encoder with its own ``dp=8`` layout runs forward and backward without any
     collective, while the homogeneous baseline's encoder, inheriting the LLM's ``tp=4``,
@@ -16,7 +16,8 @@ hit), parsed by :mod:`experiments.bench_comm` (loop trip counts included):
 (d) ZeRO-1 keeps ``1 / dp`` of the Adam moments per device and its DP reduction is a
     reduce-scatter (on XLA:CPU: the all-reduce + dynamic-slice it is made of);
 (e) sequence parallelism removes the TP all-reduces of ``[b, L, D]`` activations and
-    all-gathers instead - but not in Megatron's form (see the xfail below).
+    all-gathers of the sequence entering each TP region and reduce-scatters leaving it
+    (Megatron's form).
 
 XLA:CPU emits no ``reduce-scatter`` here (checked with this JAX): the SPMD partitioner's
 all-reduce + dynamic-slice stays unfused (XLA:GPU's ``ReduceScatterCreator`` pass fuses
@@ -41,8 +42,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import hetjax
-from experiments.bench_comm import Collective, collectives, recording, varied_axes
+from experiments.bench_comm import recording
 from hetjax import Layout
+from hetjax.inspect import Collective, collectives, varied_axes
 from hetjax.ops.ring_attention import zigzag_permutation
 from hetjax.ops.token_routing import Routed, owner_rank
 from models import tokenizer
