@@ -29,7 +29,8 @@ One JSON row per (scenario, mode, module), with:
   counts of the ``while`` loops around it (``known_trip_count``: the scanned layers),
   times the program's calls per step (counted in that step), times the stage's devices.
   XLA:CPU has no reduce-scatter pass: a reduce-scatter stays an all-reduce followed by
-  a dynamic slice, and counts as an all-reduce here.
+  a dynamic slice, and counts as an all-reduce here. The HLO is read by
+  :func:`hetjax.inspect.collectives`.
 - ``boundary_bytes``: bytes the module's outgoing link moves per step (forward plan and
   the cotangent's reverse plan, every microbatch; cross-island plus island-local bytes,
   from :class:`hetjax.boundary.TransferPlan`), plus its pipeline stage-to-stage copies.
@@ -51,8 +52,6 @@ import contextlib
 import dataclasses
 import math
 import os
-import re
-import statistics
 import sys
 import tempfile
 import time
@@ -60,11 +59,8 @@ from collections import defaultdict
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
-
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 PROGRAMS = ("fwd", "bwd", "zeros", "reduce", "update")
 DEVICES = 8
 GLOBAL_BATCH = 16
@@ -96,172 +92,6 @@ class BenchConfig:
     json: str | None = None  # where to write the rows (a JSON list); None: print only
     quick: bool = False  # scenario cp2 only, fewer timed steps (for the test)
     steps: int = 5  # steps per executor (the first compiles; the rest are timed)
-
-
-# -- compiled HLO: collectives with their loop trip counts ---------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Collective:
-    """One collective instruction of a compiled program."""
-
-    kind: str  # one of KINDS
-    nbytes: int  # full buffer per device and execution (see the module docstring)
-    shapes: tuple[tuple[int, ...], ...]  # result array shapes (several if combined)
-    groups: tuple[tuple[int, ...], ...]  # device groups (positions in the program's mesh)
-    executions: int  # per program run: product of the enclosing loops' trip counts
-    line: str  # the HLO instruction, for error messages
-
-
-_HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->.*\{\s*$")
-_OP = re.compile(
-    r"=\s*(.*?)\s+(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)"
-    r"(-start|-done)?\("
-)
-_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
-_WHILE = re.compile(r"\swhile\(.*?body=%?([\w.\-]+)")
-_TRIP = re.compile(r'"known_trip_count":\{"n":"([0-9]+)"\}')
-_CALLS = re.compile(r"(?:calls|to_apply|condition)=%?([\w.\-]+)")
-_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
-_PAIRS = re.compile(r"source_target_pairs=\{(\{[0-9, {}]*\})\}")
-_BITS = {"pred": 8, "s4": 4, "u4": 4}
-
-
-def _itemsize(dtype: str) -> float:
-    """Bytes per element of an HLO element type (``f32``, ``bf16``, ``pred``, ``f8e4m3fn``)."""
-    if dtype in _BITS:
-        return _BITS[dtype] / 8
-    bits = re.search(r"[0-9]+", dtype)
-    return int(bits.group()) / 8 if bits else 0.0  # token[]: no data
-
-
-def _arrays(text: str) -> list[tuple[tuple[int, ...], int]]:
-    """(shape, bytes) of every array type in an HLO type string (tuples flattened)."""
-    out = []
-    for dtype, dims in _ARRAY.findall(text):
-        shape = tuple(int(d) for d in dims.split(",") if d)
-        out.append((shape, int(math.prod(shape) * _itemsize(dtype))))
-    return out
-
-
-def _computations(hlo: str) -> tuple[dict[str, list[str]], str]:
-    """Computation name -> its instruction lines, and the entry computation's name."""
-    comps: dict[str, list[str]] = {}
-    entry, current = "", None
-    for line in hlo.splitlines():
-        if current is None:
-            if m := _HEADER.match(line):
-                current = m.group(1)
-                comps[current] = []
-                if line.startswith("ENTRY"):
-                    entry = current
-        elif line.strip() == "}":
-            current = None
-        else:
-            comps[current].append(line)
-    return comps, entry
-
-
-def _executions(comps: dict[str, list[str]], entry: str) -> dict[str, int]:
-    """How many times each computation runs per program run (while bodies x trip count).
-
-    HLO text prints callees before callers, so walking the computations backwards from
-    the entry visits every caller before its callees.
-    """
-    runs: dict[str, int] = defaultdict(int)
-    runs[entry] = 1
-    for name in reversed(list(comps)):
-        if not runs[name]:
-            continue
-        for line in comps[name]:
-            trips = 1
-            if m := _WHILE.search(line):
-                t = _TRIP.search(line)
-                trips = int(t.group(1)) if t else 1
-                runs[m.group(1)] += runs[name] * trips
-            for callee in _CALLS.findall(line):
-                runs[callee] += runs[name]
-            if b := _BRANCHES.search(line):
-                for callee in b.group(1).split(","):
-                    runs[callee.strip().lstrip("%")] += runs[name]
-    return runs
-
-
-def _groups(line: str, num_devices: int) -> tuple[tuple[int, ...], ...]:
-    from experiments.bench_executor import replica_groups
-
-    if m := _PAIRS.search(line):
-        return tuple(
-            tuple(int(v) for v in p.split(",")) for p in re.findall(r"\{([0-9, ]+)\}", m.group(1))
-        )
-    return tuple(tuple(g) for g in replica_groups(line, num_devices))
-
-
-def collectives(hlo: str, num_devices: int) -> list[Collective]:
-    """Every collective of a compiled program's HLO text, with its loop multiplicity.
-
-    Args:
-        hlo: ``compiled.as_text()``.
-        num_devices: devices of the program (for replica groups written as ``{}``).
-
-    Returns:
-        One :class:`Collective` per instruction (``-done`` halves of async pairs skipped).
-    """
-    comps, entry = _computations(hlo)
-    runs = _executions(comps, entry)
-    out = []
-    for name, lines in comps.items():
-        for line in lines:
-            m = _OP.search(line)
-            if not m or m.group(3) == "-done":
-                continue
-            kind, arrays = m.group(2), _arrays(m.group(1))
-            if m.group(3) == "-start" and kind != "all-reduce":
-                arrays = [max(arrays, key=lambda a: a[1])]  # (operand, result, ...) tuple
-            groups = _groups(line, num_devices)
-            nbytes = sum(b for _, b in arrays)
-            if kind == "reduce-scatter":
-                nbytes *= max(len(g) for g in groups)
-            out.append(
-                Collective(
-                    kind,
-                    nbytes,
-                    tuple(s for s, _ in arrays),
-                    groups,
-                    max(runs[name], 1),
-                    line.strip()[:300],
-                )
-            )
-    return out
-
-
-def varied_axes(c: Collective, mesh) -> set[str]:
-    """Mesh axes (of size > 1) whose coordinate differs inside one of ``c``'s groups."""
-    coords = np.stack(np.unravel_index(np.arange(mesh.size), mesh.devices.shape), axis=1)
-    axes = set()
-    for group in c.groups:
-        pts = coords[list(group)]
-        axes.update(a for i, a in enumerate(mesh.axis_names) if len(set(pts[:, i].tolist())) > 1)
-    return axes
-
-
-def bytes_by_kind(items: list[Collective]) -> dict[str, int]:
-    """Bytes per device for one program run, by kind (every kind present, maybe 0)."""
-    out = dict.fromkeys(KINDS, 0)
-    for c in items:
-        out[c.kind] += c.nbytes * c.executions
-    return out
-
-
-def peak_bytes(compiled) -> int:
-    """Footprint of one program per device: arguments + outputs - aliased + temporaries."""
-    m = compiled.memory_analysis()
-    return int(
-        m.argument_size_in_bytes
-        + m.output_size_in_bytes
-        - m.alias_size_in_bytes
-        + m.temp_size_in_bytes
-    )
 
 
 # -- recording one step ---------------------------------------------------------------------
@@ -369,6 +199,8 @@ def recording(ex) -> Iterator[Recording]:
 
 def module_rows(ex, rec: Recording) -> dict[str, dict[str, Any]]:
     """Collective bytes, boundary bytes and peak bytes per module, from one recording."""
+    from hetjax.inspect import KINDS, bytes_by_kind, collectives, peak_bytes
+
     rows = {}
     for spec in ex.graph.modules:
         total = dict.fromkeys(KINDS, 0)
@@ -418,14 +250,15 @@ def run(scenario: Scenario, mode: str, work: dict, steps: int) -> list[dict]:
     import jax
 
     batches = work[scenario.preset][2]
+    from hetjax.inspect import Timer
+
     ex = build(scenario, "colocated" if mode == "heterogeneous" else "homogeneous", work)
     with recording(ex) as rec:
         jax.block_until_ready(ex.step(batches[0]))
-    times = []
+    timer = Timer()
     for s in range(1, steps):
-        t0 = time.perf_counter()
-        jax.block_until_ready((ex.step(batches[s % len(batches)]), ex.params))
-        times.append(time.perf_counter() - t0)
+        with timer:
+            jax.block_until_ready((ex.step(batches[s % len(batches)]), ex.params))
     ex.step(batches[0], profile=True)
     compute = defaultdict(float)
     for (_, key), ts in ex.op_times.items():
@@ -438,7 +271,7 @@ def run(scenario: Scenario, mode: str, work: dict, steps: int) -> list[dict]:
                 mode=mode,
                 module=module,
                 **row,
-                step_time_s=statistics.median(times),
+                step_time_s=timer.median,
                 compute_time_s=compute[module],
                 llm_layout=scenario.layouts["llm"],
             )
@@ -479,6 +312,8 @@ def check(rows: list[dict]) -> list[str]:
 
 
 def print_table(rows: list[dict]) -> None:
+    from hetjax.inspect import KINDS
+
     def kib(n: int) -> str:
         return f"{n / 1024:.0f}"
 

@@ -19,9 +19,9 @@ How each figure is measured, and its limits:
 - ``step_time_s``: median wall time of steps 2..``--steps``, each waited for in full
   (loss and updated parameters). Other processes on the machine show up in it.
 - ``compiles_after_step1`` / ``compiles_after_step5``: ``jax.monitoring`` backend-compile
-  events, cumulative from the start of the executor's construction. An executable loaded
-  from the persistent cache counts too (the event wraps compile-or-load), so equal counts
-  mean no program was rebuilt for steps 2-5.
+  events (:class:`hetjax.inspect.CompileCounter`), cumulative from the start of the
+  executor's construction. An executable loaded from the persistent cache counts too (the
+  event wraps compile-or-load), so equal counts mean no program was rebuilt for steps 2-5.
 - ``dp_reductions_per_param_per_step``: every stage's ``bwd`` and ``reduce`` are lowered
   with the argument shapes and shardings captured in step 1 and compiled. In the HLO an
   all-reduce is a DP reduction when one of its replica groups spans devices with
@@ -74,11 +74,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
-import math
 import os
 import pathlib
 import queue
-import re
 import statistics
 import sys
 import tempfile
@@ -89,12 +87,9 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import numpy as np
-
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 WRAPPED = ("fwd", "bwd", "zeros", "reduce")  # the StageProgram attributes the shims replace
-REPLICA_AXES = ("dp", "ep")  # mesh axes over which a stage's parameters are replicated
 DISPATCH_STEPS = 10  # steps of the nano executor and the fused reference (first compiles)
 
 
@@ -135,25 +130,6 @@ def make_rows(n: int, quick: bool) -> list[Row]:
     for layouts, placement in ((islands, "non-colocated"), (homogeneous, "homogeneous")):
         rows += [Row(layouts, placement, s, m) for m in (2, 4, 8) for s in ("1f1b", "gpipe")]
     return rows
-
-
-# -- compile counting -----------------------------------------------------------------------
-
-
-class CompileCounter:
-    """Counts backend compiles (fresh or loaded from the persistent cache)."""
-
-    EVENT = "/jax/core/compile/backend_compile_duration"
-
-    def __init__(self):
-        import jax
-
-        self.count = 0
-        jax.monitoring.register_event_duration_secs_listener(self._on_event)
-
-    def _on_event(self, event: str, duration: float, **kwargs) -> None:
-        if event == self.EVENT:
-            self.count += 1
 
 
 # -- program shims --------------------------------------------------------------------------
@@ -202,70 +178,11 @@ def capture_args(ex) -> tuple[dict, Callable]:
 
 # -- DP reductions from the compiled HLO -----------------------------------------------------
 
-_ALL_REDUCE = re.compile(r"=\s*(.*?)\s+all-reduce(?:-start)?\(")
-_SHAPE = re.compile(r"\b[a-z]+[0-9]*\[([0-9,]*)\]")
-_GROUPS = re.compile(r"replica_groups=(\{\{[0-9,{} ]*\}\}|\{\})")
-_IOTA = re.compile(r"replica_groups=\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?")
-_MESH = re.compile(
-    r"replica_groups=mesh\[([^\]]*)\]"
-    r"(?:,\s*device_ids=\((\[[0-9,]+\](?:T\([0-9,]+\))?|[0-9, ]+)\))?\s*\{([^}]*)\}"
-)
-
-
-def _ints(text: str) -> list[int]:
-    return [int(t) for t in text.replace(" ", "").split(",") if t]
-
-
-def _iota(dims: list[int], perm: list[int] | None) -> np.ndarray:
-    ids = np.arange(math.prod(dims)).reshape(dims)
-    return ids.transpose(perm) if perm else ids
-
-
-def replica_groups(line: str, num_devices: int) -> list[list[int]]:
-    """The replica groups of one HLO collective, in any of XLA's three spellings."""
-    if m := _GROUPS.search(line):
-        if m.group(1) == "{}":
-            return [list(range(num_devices))]
-        return [_ints(g) for g in re.findall(r"\{([0-9, ]+)\}", m.group(1)[1:-1])]
-    if m := _IOTA.search(line):
-        shape = _ints(m.group(1))
-        ids = _iota(_ints(m.group(2)), _ints(m.group(3)) if m.group(3) else None)
-        return ids.reshape(shape).tolist()
-    if m := _MESH.search(line):
-        axes = [a.split("=") for a in m.group(1).split(",")]
-        names, sizes = [n.strip("'") for n, _ in axes], [int(s) for _, s in axes]
-        order = m.group(2)
-        if order is None:
-            flat = np.arange(math.prod(sizes))
-        elif order.startswith("["):
-            dims, _, perm = order.partition("T")
-            flat = _iota(_ints(dims[1:-1]), _ints(perm[1:-1]) if perm else None).ravel()
-        else:
-            flat = np.asarray(_ints(order))
-        grouped = [names.index(a.strip().strip("'")) for a in m.group(3).split(",") if a.strip()]
-        kept = [i for i in range(len(names)) if i not in grouped]
-        ids = flat.reshape(sizes).transpose(kept + grouped)
-        return ids.reshape(-1, math.prod(sizes[i] for i in grouped)).tolist()
-    raise ValueError(f"cannot parse the replica groups of: {line.strip()[:200]}")
-
-
-def dp_all_reduce_shapes(hlo: str, mesh) -> Counter:
-    """Operand shapes of the all-reduces that cross data-parallel replicas of ``mesh``."""
-    coords = np.stack(np.unravel_index(np.arange(mesh.size), mesh.devices.shape), axis=1)
-    replica_dims = [mesh.axis_names.index(a) for a in REPLICA_AXES if a in mesh.axis_names]
-    replica_of = [tuple(c[replica_dims]) for c in coords]
-    shapes: Counter = Counter()
-    for line in hlo.splitlines():
-        if not (m := _ALL_REDUCE.search(line)):
-            continue
-        groups = replica_groups(line, mesh.size)
-        if any(len({replica_of[d] for d in g}) > 1 for g in groups):
-            shapes.update(tuple(_ints(s)) for s in _SHAPE.findall(m.group(1)))
-    return shapes
-
 
 def dp_reductions(ex, captured: dict) -> list[float]:
     """DP reductions per step of every parameter (of stages with ``dp > 1``)."""
+    from hetjax.inspect import dp_all_reduce_shapes
+
     runs = {"bwd": ex.microbatches, "reduce": 1}
     values: list[float] = []
     for key, prog in ex.programs.items():
@@ -310,26 +227,25 @@ class LiveSampler:
         self.fwd_at: dict[int, int] = {}  # serial of a fwd input -> sample at that call
         self.samples: list[set[int]] = []
         self.stashed: list[tuple[int, set[int], int, int]] = []  # (stage, serials, from, to)
-        self.skip = {self._serial(a) for a in self._live()}  # old arrays, then accumulators
+        from hetjax.inspect import live_arrays
 
-    @staticmethod
-    def _live() -> list:
-        import jax
-
-        return [a for a in jax.live_arrays() if not a.is_deleted()]
+        self.skip = {self._serial(a) for a in live_arrays()}  # old arrays, then accumulators
 
     def _serial(self, a) -> int:
+        from hetjax.inspect import array_bytes_per_device
+
         seen = self._refs.get(id(a))
         if seen is not None and seen[0]() is a:
             return seen[1]
         serial = len(self.bytes)
         self._refs[id(a)] = (weakref.ref(a), serial)
-        shard = math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
-        self.bytes[serial] = {d: shard for d in a.sharding.device_set}
+        self.bytes[serial] = array_bytes_per_device(a)
         return serial
 
     def sample(self) -> int:
-        now = {self._serial(a) for a in self._live()}
+        from hetjax.inspect import live_arrays
+
+        now = {self._serial(a) for a in live_arrays()}
         for k in now:
             self.first_seen.setdefault(k, len(self.samples))
         self.samples.append(now)
@@ -514,20 +430,23 @@ def build_executor(row: Row, work: Workload, devices: list, steps: int):
 def timed_steps(trainer, batches: list[dict]) -> tuple[list[float], list[float]]:
     """Per step after the first (which compiles): host time until ``step`` returns, and
     wall time until its loss and parameters are ready."""
+    from hetjax.inspect import Timer
+
     _wait(trainer.step(batches[0]), trainer)
-    host, total = [], []
+    host, total = Timer(), Timer()
     for batch in batches[1:]:
-        t0 = time.perf_counter()
-        metrics = trainer.step(batch)
-        host.append(time.perf_counter() - t0)
-        _wait(metrics, trainer)
-        total.append(time.perf_counter() - t0)
-    return host, total
+        with total:
+            with host:
+                metrics = trainer.step(batch)
+            _wait(metrics, trainer)
+    return host.samples, total.samples
 
 
 def run_row(row: Row, work: Workload, light: Workload, devices: list, counter, config) -> dict:
     """Builds the executor of ``row`` on ``work``, measures it, returns one JSON row;
     the dispatch overhead is measured on ``light`` (the same workload, or a nano one)."""
+    from hetjax.inspect import Timer
+
     m, steps = row.microbatches, config.steps
     batches = work.batches(m, steps + 3)
     start = counter.count
@@ -543,18 +462,17 @@ def run_row(row: Row, work: Workload, light: Workload, devices: list, counter, c
     with wrapped_programs(ex, make):
         _wait(ex.step(batches[0]), ex)
     compiles = [counter.count - start]
-    times = []
+    steps_timer = Timer()
     for i in range(1, steps):
-        t0 = time.perf_counter()
-        _wait(ex.step(batches[i]), ex)
-        times.append(time.perf_counter() - t0)
+        with steps_timer:
+            _wait(ex.step(batches[i]), ex)
         if i == 4:
             compiles.append(counter.count - start)
 
     # Profiled step: per-op wall times -> simulated timeline and the serialised bubble.
-    t0 = time.perf_counter()
-    _wait(ex.step(batches[steps], profile=True), ex)
-    wall = time.perf_counter() - t0
+    with Timer() as profiled:
+        _wait(ex.step(batches[steps], profile=True), ex)
+    wall = profiled.last
     busy = [0.0] * num_stages
     for (_, key), ts in ex.op_times.items():
         busy[stage_of(key)] += sum(ts)
@@ -581,7 +499,7 @@ def run_row(row: Row, work: Workload, light: Workload, devices: list, counter, c
 
     dp = dp_reductions(ex, captured)
     depths, depth_total = _stage_depths(ex)
-    step_time = statistics.median(times)
+    step_time = steps_timer.median
     if config.png_dir:
         name = f"{row.placement}-{row.schedule}-M{m}.png"
         timeline.to_png(pathlib.Path(config.png_dir) / name)
@@ -730,7 +648,9 @@ def main(config: BenchConfig) -> list[dict]:
     jax.config.update("jax_compilation_cache_dir", cache.name)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    counter = CompileCounter()
+    from hetjax.inspect import CompileCounter
+
+    counter = CompileCounter().start()  # cumulative: rows read differences of its count
     size = config.microbatch_size or config.devices
     model = "nano" if config.quick else config.model
     work = make_workload(model, seq_len=config.seq_len, microbatch_size=size)
@@ -755,6 +675,7 @@ def main(config: BenchConfig) -> list[dict]:
     activation_bound(rows)
     print_table(rows)
     print(f"{len(rows)} rows in {time.perf_counter() - t0:.0f} s")
+    counter.stop()
     cache.cleanup()
     finish_rows(rows, config.json, check(rows), "done-when conditions violated")
     return rows

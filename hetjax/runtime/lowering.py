@@ -60,8 +60,15 @@ def build_schedule(
     return sched
 
 
-def lower(schedule: hs.Schedule) -> tuple[Op, ...]:
-    """The schedule's actions in dispatch order as ops (receives dropped)."""
+def lower(schedule: hs.Schedule, *, fused: bool = False) -> tuple[Op, ...]:
+    """The schedule's actions in dispatch order as ops (receives dropped).
+
+    ``fused`` (the ``fused_*`` schedules of the homogeneous baseline): the encoder
+    stages share the sink's first stage's devices, so their ops are issued where that
+    stage would run them - an encoder's F of microbatch m (and its send) right before
+    the stage's F of m, its gradient's send and B right after the stage's B of m. Each
+    stage's own order is the schedule's; only the interleaving across stages changes.
+    """
     where = {info.stage: (info.module, info.index) for info in schedule.stages}
     ops = []
     for a in hs.dispatch_order(schedule):
@@ -73,7 +80,32 @@ def lower(schedule: hs.Schedule) -> tuple[Op, ...]:
         elif a.kind == "SEND_B":
             src, dst = where[a.edge.dst_stage], where[a.edge.src_stage]
             ops.append(Op("SEND_B", src, a.microbatch, dst, phase=a.phase))
-    return mark_last_sends(ops)
+    return mark_last_sends(_fuse_encoders(ops, schedule) if fused else ops)
+
+
+def _fuse_encoders(ops: list[Op], schedule: hs.Schedule) -> list[Op]:
+    (host,) = {(schedule.stages[e.dst_stage].module, 0) for e in schedule.edges if e.is_boundary}
+    encoders = {(i.module, i.index) for i in schedule.stages if i.module != host[0]}
+
+    def moved(op: Op) -> bool:
+        return op.stage in encoders or (op.kind == "SEND_B" and op.peer in encoders)
+
+    before: dict[int, list[Op]] = {}
+    after: dict[int, list[Op]] = {}
+    for op in ops:
+        if moved(op):
+            side = before if op.kind in ("F", "SEND_F") else after
+            side.setdefault(op.microbatch, []).append(op)
+    out = []
+    for op in ops:
+        if moved(op):
+            continue
+        if op.kind == "F" and op.stage == host:
+            out += before.pop(op.microbatch)
+        out.append(op)
+        if op.kind == "B" and op.stage == host:
+            out += sorted(after.pop(op.microbatch), key=lambda o: o.kind != "SEND_B")
+    return out
 
 
 def mark_last_sends(ops: list[Op]) -> tuple[Op, ...]:

@@ -176,7 +176,7 @@ def plan_run(
         positions=positions,
         microbatches=microbatches,
         schedule=sched,
-        ops=lower(sched),
+        ops=lower(sched, fused=mode == "homogeneous"),
         offload_encoders=offload_encoders,
         routed=routed,
     )

@@ -1,6 +1,7 @@
 """Distributed properties of the executor, beyond the values it computes.
 
-- nothing compiles again after the first step (executable caches and JAX's compile log);
+- nothing compiles again after the first step (compile events during each stage
+  program's calls, and JAX's compile log);
 - one data-parallel reduction per parameter per step: the per-microbatch backward
   programs of a ``dp > 1, tp = 1`` stage contain no collective on a parameter-sized
   array, and the once-per-step ``reduce`` all-reduces exactly the stage's parameters;
@@ -31,6 +32,7 @@ import pytest
 
 import hetjax
 from hetjax import Layout
+from hetjax.inspect import Collective, CompileCounter, collectives
 from models.config import get_preset
 from models.data import DataConfig, SyntheticLlava
 from models.mllm import MLLM
@@ -68,10 +70,6 @@ def executor(tiny, lays, **kw) -> hetjax.Executor:
     )
 
 
-def cache_sizes(jitted: dict) -> dict:
-    return {key: fn._cache_size() for key, fn in jitted.items()}
-
-
 def abstract(tree):
     """Shapes, dtypes and (committed) shardings of a call's arguments, for ``.lower``."""
 
@@ -100,33 +98,43 @@ class Run:
     jitted: dict  # (stage key, program name) -> the StageProgram's own jitted function
     calls: Counter  # (stage key, program name) -> calls over all steps
     args: dict  # (stage key, program name) -> abstract arguments of its first call
+    compiles: Counter  # (stage key, program name) -> compiles during its calls, so far
     losses: np.ndarray
-    compiled_after_1: dict
+    compiled_after_1: dict  # compiled(compiles, jitted) after step 1
     compiled_after_3: dict
     compiles_in_steps_2_3: list[str]
 
 
+def compiled(compiles: Counter, jitted: dict) -> dict:
+    """Compiles so far of every stage program, called or not."""
+    return {call_id: compiles[call_id] for call_id in jitted}
+
+
 @pytest.fixture(scope="module")
 def run(tiny):
-    """The shared colocated run: three steps, with call counters on bwd and reduce."""
+    """The shared colocated run: three steps, with counters of calls and compiles on
+    every stage program (a program compiles on its first call with new arguments)."""
     _, _, batches = tiny
     ex = executor(tiny, SHARED_LAYOUTS, mode="colocated")
     jitted = {(k, n): getattr(p, n) for k, p in ex.programs.items() for n in PROGRAMS}
-    calls, args = Counter(), {}
+    calls, args, compiles = Counter(), {}, Counter()
+    counter = CompileCounter().start()
 
     def counted(fn, call_id):
         def call(*a):
             calls[call_id] += 1
             args.setdefault(call_id, abstract(a))  # before the call donates its buffers
-            return fn(*a)
+            before = counter.count
+            out = fn(*a)
+            compiles[call_id] += counter.count - before
+            return out
 
         return call
 
-    for key, prog in ex.programs.items():
-        for name in ("bwd", "reduce"):
-            setattr(prog, name, counted(getattr(prog, name), (key, name)))
+    for call_id, fn in jitted.items():
+        setattr(ex.programs[call_id[0]], call_id[1], counted(fn, call_id))
     losses = [jax.device_get(ex.step(batches[0])["loss"])]
-    after_1 = cache_sizes(jitted)
+    after_1 = compiled(compiles, jitted)
     log, jax_logger = CompileLog(), logging.getLogger("jax")
     jax_logger.addHandler(log)
     try:
@@ -134,9 +142,18 @@ def run(tiny):
             losses += [jax.device_get(ex.step(b)["loss"]) for b in batches[1:]]
     finally:
         jax_logger.removeHandler(log)
-    return Run(
-        ex, jitted, calls, args, np.asarray(losses), after_1, cache_sizes(jitted), log.compiled
+    yield Run(
+        ex,
+        jitted,
+        calls,
+        args,
+        compiles,
+        np.asarray(losses),
+        after_1,
+        compiled(compiles, jitted),
+        log.compiled,
     )
+    counter.stop()
 
 
 # -- (a) compilation ------------------------------------------------------------------
@@ -147,9 +164,9 @@ def test_no_recompilation_after_first_step(run):
     # Every program that step 1 needs was compiled exactly once (the sink's last stage
     # forwards inside its backward, so its fwd is never called).
     sink_last = ("llm", SHARED_LAYOUTS["llm"].pp - 1)
-    for (key, name), size in run.compiled_after_1.items():
+    for (key, name), count in run.compiled_after_1.items():
         expected = 0 if (key, name) == (sink_last, "fwd") else 1
-        assert size == expected, (key, name, size)
+        assert count == expected, (key, name, count)
     # Nothing else either: no transfer, reshard or scalar op compiled in steps 2-3.
     assert run.compiles_in_steps_2_3 == []
     assert np.all(np.isfinite(run.losses)) and len(set(run.losses.tolist())) == STEPS
@@ -157,22 +174,16 @@ def test_no_recompilation_after_first_step(run):
 
 # -- (b) one data-parallel reduction per parameter per step ---------------------------
 
-_COLLECTIVE = re.compile(
-    r"=\s*(?P<type>.+?)\s(?P<op>all-reduce|all-reduce-start|reduce-scatter|all-gather|"
-    r"all-gather-start|all-to-all|collective-permute|collective-permute-start)\("
-)
-_SHAPE = re.compile(r"\b[a-z]+\d*\[([\d,]*)\]")
+
+def elements(c: Collective) -> list[int]:
+    """Element count of each array ``c`` produces; a scalar counts 0 (the summed loss)."""
+    return [math.prod(shape) if shape else 0 for shape in c.shapes]
 
 
-def collectives(hlo: str) -> list[tuple[str, list[int]]]:
-    """``(op, element count of each array it produces)`` for every collective in ``hlo``."""
-    out = []
-    for line in hlo.splitlines():
-        m = _COLLECTIVE.search(line)
-        if m:
-            dims = [[int(d) for d in s.split(",") if d] for s in _SHAPE.findall(m["type"])]
-            out.append((m["op"], [math.prod(d) if d else 0 for d in dims]))
-    return out
+def compiled_collectives(run: Run, key, name: str) -> list[tuple[str, list[int]]]:
+    """``(kind, elements(c))`` of every collective of a stage program's compiled HLO."""
+    mesh = run.ex.programs[key].mesh
+    return [(c.kind, elements(c)) for c in collectives(compiled_text(run, key, name), mesh.size)]
 
 
 def compiled_text(run: Run, key, name: str) -> str:
@@ -191,10 +202,10 @@ def test_one_dp_reduction_per_parameter_per_step(run, key):
     assert prog.spec.layout.dp > 1 and prog.spec.layout.tp == 1
     # Backward (one per microbatch): gradients stay per replica - no collective moves a
     # parameter-sized array (only the sink's scalar loss may be summed over replicas).
-    moved = [(op, sizes) for op, sizes in collectives(compiled_text(run, key, "bwd")) if any(sizes)]
+    moved = [(op, sizes) for op, sizes in compiled_collectives(run, key, "bwd") if any(sizes)]
     assert moved == [], moved
     # Reduce (once per step): all-reduces every parameter element exactly once.
-    ops = collectives(compiled_text(run, key, "reduce"))
+    ops = compiled_collectives(run, key, "reduce")
     assert {op for op, sizes in ops if any(sizes)} == {"all-reduce"}, ops
     reduced = sum(n for _, sizes in ops for n in sizes)
     assert reduced == sum(a.size for a in jax.tree.leaves(run.ex.params[key]))
@@ -294,7 +305,7 @@ def test_profiled_step_draws_timeline(run, tiny, tmp_path):
     _, _, batches = tiny
     metrics = run.ex.step(batches[0], profile=True)
     assert np.isfinite(jax.device_get(metrics["loss"]))
-    assert cache_sizes(run.jitted) == run.compiled_after_1  # profiling compiles nothing
+    assert compiled(run.compiles, run.jitted) == run.compiled_after_1  # profiling: none
     for kind, key in [("F", ("vision", 0)), ("F", ("llm", 0)), ("B", ("llm", 1))]:
         assert len(run.ex.op_times[(kind, key)]) == MICROBATCHES
     timeline = run.ex.timeline()
