@@ -21,6 +21,7 @@ train: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m ruff check hetjax models experiments tests
+	$(PY) -m ruff format --check hetjax models experiments tests
 	$(PY) -m pytest tests $(ARGS)
 
 lint: $(STAMP)

@@ -11,6 +11,10 @@ with ``--coordinator HOST:PORT --num-processes N --process-id I``. Every process
 the same global batch and walks the same schedule; the processes refuse to start if
 their settings differ, stop together when one fails, and only process 0 prints and
 writes files.
+
+Settings come from :mod:`experiments.flags` (flags, ``--config FILE``) as one checked
+:class:`hetjax.config.TrainConfig`; :func:`main` then runs every check that needs the
+model or the devices (:func:`hetjax.runtime.plan_run`) before building any parameter.
 """
 
 from __future__ import annotations
@@ -19,297 +23,237 @@ import contextlib
 import dataclasses
 import os
 from collections.abc import Iterator, Sequence
-from typing import Any, Literal
+from typing import Any
 
-from experiments.cli import (
-    ConfigError,
-    OneLineParser,
-    accelerator_installed,
-    non_negative_int,
-    positive_float,
-    positive_int,
-    run_cli,
-    setup_devices,
-)
+from experiments import flags
+from experiments.cli import ConfigError, accelerator_installed, run_cli, setup_devices
+from experiments.flags import default_layouts, errors_as_flags
+from hetjax.config import TrainConfig
 
 PROG = "llava_train"
 # Settings that are this process's own, so they may differ between processes: the
 # coordinator's address as each process reaches it, its index, and the files that only
 # process 0 writes.
-_PER_PROCESS = ("coordinator", "process_id", "metrics", "timeline")
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainConfig:
-    """Everything a run depends on; flags map one-to-one onto these fields."""
-
-    model: str = "tiny"  # model preset: tiny, tiny-av, small
-    steps: int = 200  # optimiser steps
-    global_batch: int = 32  # samples per step, over all devices and microbatches
-    microbatches: int = 4  # pipeline microbatches per global batch
-    seq_len: int | None = None  # text+media tokens per sample (None: the preset's)
-    dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype; params stay float32
-    seed: int = 0  # initialisation and data seed
-    lr: float = 3e-3  # peak learning rate
-    warmup_steps: int | None = None  # warm-up steps (None: 10% of the run)
-    weight_decay: float = 0.01
-    clip_norm: float = 1.0  # global gradient-norm clip
-    devices: int | None = None  # simulated CPU devices if no GPU (None: 8; on GPU: all);
-    # in a multi-process run, devices PER PROCESS (None: the launcher's count, or all GPUs)
-    metrics: str | None = None  # JSON Lines path for per-step metrics
-    layout: tuple[str, ...] = ()  # MODULE:LAYOUT items, e.g. ("llm:dp=2,tp=2,pp=2",)
-    placement: Literal["colocated", "non-colocated"] = "colocated"
-    island: tuple[str, ...] = ()  # MODULE:N device counts for non-colocated placement
-    homogeneous: bool = False  # baseline: encoders inherit the LLM's layout and first stage
-    schedule: Literal["1f1b", "gpipe"] = "1f1b"  # pipeline order of the pipelined part
-    offload_encoder: bool = False  # colocated: encoder state in host memory in phase 2
-    timeline: str | None = None  # PNG path: Gantt chart of the last (profiled) step
-    reference: bool = False  # plain data-parallel reference trainer instead
-    zero1: bool = False  # shard optimizer state over each module's dp (ZeRO-1)
-    sequence_parallel: bool = False  # TP activations sharded on sequence between blocks
-    coordinator: str | None = None  # HOST:PORT of process 0, for a hand-started job
-    num_processes: int | None = None  # processes of a hand-started job
-    process_id: int | None = None  # this process's index in a hand-started job
+_PER_PROCESS = (
+    "distributed.coordinator",
+    "distributed.process_id",
+    "logging.metrics",
+    "logging.timeline",
+)
 
 
 def parse_args(argv: Sequence[str]) -> TrainConfig:
-    p = OneLineParser(prog=PROG, description=__doc__.splitlines()[0])
-    d = TrainConfig()
-    p.add_argument("--model", default=d.model, help="model preset: tiny, tiny-av, small")
-    p.add_argument("--steps", type=positive_int, default=d.steps)
-    p.add_argument("--global-batch", type=positive_int, default=d.global_batch)
-    p.add_argument(
-        "--microbatches",
-        type=positive_int,
-        default=d.microbatches,
-        help="pipeline microbatches per global batch",
-    )
-    p.add_argument("--seq-len", type=positive_int, default=d.seq_len)
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=d.dtype)
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--lr", type=positive_float, default=d.lr)
-    p.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
-    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
-    p.add_argument("--clip-norm", type=float, default=d.clip_norm)
-    p.add_argument(
-        "--devices",
-        type=positive_int,
-        default=d.devices,
-        help="simulated CPU devices when there is no GPU (default 8); in a multi-process "
-        "run, devices PER PROCESS (default: the launcher's --devices-per-process, or every "
-        "GPU the process sees)",
-    )
-    p.add_argument("--metrics", default=d.metrics, help="write per-step metrics (JSON Lines)")
-    p.add_argument(
-        "--layout",
-        action="append",
-        default=[],
-        metavar="MODULE:LAYOUT",
-        help="e.g. vision:dp=8 or llm:dp=2,tp=2,pp=2 (repeatable)",
-    )
-    p.add_argument("--placement", choices=["colocated", "non-colocated"], default=d.placement)
-    p.add_argument(
-        "--island",
-        action="append",
-        default=[],
-        metavar="MODULE:N",
-        help="device count of a module's island, assigned in order (repeatable)",
-    )
-    p.add_argument(
-        "--homogeneous",
-        action="store_true",
-        help="baseline: encoders inherit the LLM's layout on its first stage",
-    )
-    p.add_argument("--schedule", choices=["1f1b", "gpipe"], default=d.schedule)
-    p.add_argument(
-        "--offload-encoder",
-        action="store_true",
-        help="colocated: encoder params/optimizer state in host memory in phase 2",
-    )
-    p.add_argument(
-        "--timeline",
-        default=d.timeline,
-        metavar="PATH.png",
-        help="profile the last step and draw its simulated Gantt chart",
-    )
-    p.add_argument(
-        "--reference",
-        action="store_true",
-        help="train with the plain data-parallel reference trainer instead",
-    )
-    p.add_argument(
-        "--zero1",
-        action="store_true",
-        help="shard Adam moments over each module's data-parallel ranks",
-    )
-    p.add_argument(
-        "--sequence-parallel",
-        action="store_true",
-        help="with tp > 1: activations between TP regions sharded on sequence",
-    )
-    p.add_argument(
-        "--coordinator",
-        default=d.coordinator,
-        metavar="HOST:PORT",
-        help="multi-process job started by hand: process 0's address (with --num-processes, "
-        "--process-id; not needed under python -m hetjax.launch or SLURM)",
-    )
-    p.add_argument(
-        "--num-processes",
-        type=positive_int,
-        default=d.num_processes,
-        metavar="N",
-        help="multi-process job started by hand: number of processes",
-    )
-    p.add_argument(
-        "--process-id",
-        type=non_negative_int,
-        default=d.process_id,
-        metavar="I",
-        help="multi-process job started by hand: this process's index, 0 .. N-1",
-    )
-    args = p.parse_args(list(argv))
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
-    values["layout"], values["island"] = tuple(args.layout), tuple(args.island)
-    return TrainConfig(**values)
-
-
-def default_layouts(modules: Sequence[str], num_devices: int) -> dict[str, str]:
-    """No ``--layout`` at all: encoders data parallel over every device; the LLM with
-    ``pp=2, tp=2`` when the device count allows it, else data parallel."""
-    llm = f"dp={num_devices // 4},tp=2,pp=2" if num_devices % 4 == 0 else f"dp={num_devices}"
-    return {m: (llm if m == "llm" else f"dp={num_devices}") for m in modules}
-
-
-def parse_islands(items: Sequence[str]) -> dict[str, int]:
-    out = {}
-    for item in items:
-        name, sep, count = item.partition(":")
-        if not sep or not count.isdigit() or int(count) < 1:
-            raise ConfigError(f"--island {item!r}: expected MODULE:N with N a positive integer")
-        if name in out:
-            raise ConfigError(f"--island {name} given twice; give each module one island")
-        out[name] = int(count)
-    return out
+    """The resolved config of a command line (``--print-config`` prints it and exits)."""
+    return flags.parse_args(argv, prog=PROG, description=__doc__.splitlines()[0])
 
 
 def main(config: TrainConfig) -> int:
-    # Before anything touches JAX: XLA reads it when it loads, and a multi-process run
-    # must join its job before any backend exists.
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    from hetjax import distributed
+    """Trains ``config`` (resolved and checked by the CLI or a caller); returns 0.
 
-    try:
-        info = distributed.initialize(
-            coordinator=config.coordinator,
-            num_processes=config.num_processes,
-            process_id=config.process_id,
-            local_device_count=config.devices,
-            cpu=not accelerator_installed(),
-        )
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    multi = info.is_multiprocess
-    if multi:
-        # First: from here on, a process that stops takes the others with it.
-        distributed.watch_peers()
-    with _stop_peers_on_error(multi):  # GPU counts may differ between machines
-        devices = setup_devices(config.devices, multiprocess=multi)
+    Raises:
+        ConfigError: one line naming the flag to fix (:func:`~experiments.flags.as_flags`).
+    """
+    info, devices = _join_job(config)
     # JAX-using imports come after the device count is fixed.
     import jax
-    import jax.numpy as jnp
 
     import hetjax
-    from models.config import get_preset
-    from models.data import DataConfig, SyntheticLlava
-    from models.mllm import MLLM
+    from hetjax import distributed
 
+    multi = info.is_multiprocess
     if multi:
         try:  # on every process alike, so every process reports it and exits normally
             distributed.check_consistent("training config", _shared_settings(config, devices))
         except ValueError as e:
             raise ConfigError(str(e)) from None
     lead = jax.process_index() == 0  # prints and writes files
-    with _stop_peers_on_error(multi):  # only process 0 checks where it writes
-        for flag, path in (("--metrics", config.metrics), ("--timeline", config.timeline)):
-            if lead and path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-                raise ConfigError(
-                    f"{flag} {path}: directory {os.path.dirname(os.path.abspath(path))} does "
-                    "not exist; create it or write the file elsewhere"
-                )
-
-    # The settings agree, so a bad one fails alike on every process (a normal exit).
-    try:
-        preset = get_preset(config.model)
-        seq_len = config.seq_len or preset.seq_len
-        dataset = SyntheticLlava(DataConfig.for_model(preset, seq_len=seq_len, seed=config.seed))
-        opt_cfg = hetjax.OptimizerConfig(
-            lr=config.lr,
-            total_steps=config.steps,
-            warmup_steps=(
-                max(1, config.steps // 10) if config.warmup_steps is None else config.warmup_steps
-            ),
-            weight_decay=config.weight_decay,
-            clip_norm=config.clip_norm,
-        )
-        model = MLLM(preset, dtype=jnp.bfloat16 if config.dtype == "bfloat16" else jnp.float32)
-
-        def init_params():  # only after every check: init runs (and compiles) JAX ops
-            return model.init(jax.random.key(config.seed))
-
-        if config.reference:
-            trainer, layout_text = _reference(config, model, init_params, opt_cfg, devices)
-        else:
-            trainer, layout_text = _heterogeneous(config, model, init_params, opt_cfg, devices)
-    except ValueError as e:  # LayoutError, BoundaryError, ScheduleError are ValueErrors
-        raise ConfigError(str(e)) from None
-
-    hooks: list = []
     if lead:
-        if config.metrics:
-            hooks.append(hetjax.JsonlWriter(config.metrics))
-        hooks.append(hetjax.ProgressBar(config.steps))
-        counts = model.num_params()
-        over = f" over {info.num_processes} processes" if multi else ""
-        hooks.append(
-            hetjax.Summary(
-                {
-                    "model": f"{preset.name}: {sum(counts.values()):,} params ("
-                    + ", ".join(f"{k} {v:,}" for k, v in counts.items())
-                    + ")",
-                    "devices": f"{len(devices)} x {devices[0].platform}{over}",
-                    "layout": layout_text,
-                    "batch": f"{config.global_batch} samples x {seq_len} tokens, "
-                    f"{config.microbatches} microbatch(es), {config.dtype}",
-                }
-            )
-        )
+        with _stop_peers_on_error(multi):  # only process 0 checks where it writes
+            _check_output_dirs(config)
+    # The settings agree, so a bad one fails alike on every process (a normal exit).
+    with errors_as_flags():
+        run = _plan(config, devices)  # every check; no parameter exists yet
+        trainer = _trainer(config, run, devices)
+    hooks = _hooks(config, run, devices, info.num_processes if multi else 1) if lead else []
+    logging = config.logging
 
     def step(i: int):
-        profile = config.timeline is not None and i == config.steps - 1
         # Every process builds the same global batch (seed, step); the trainer keeps
         # only this process's shards of it.
-        batch = dataset.batch(i, config.global_batch)
-        return trainer.step(batch, profile=True) if profile else trainer.step(batch)
+        batch = run.dataset.batch(i, config.data.global_batch)
+        if logging.timeline is not None and i == config.steps - 1:
+            return trainer.step(batch, profile=True)
+        return trainer.step(batch)
 
-    hetjax.run_training(
-        step, config.steps, tokens_per_step=config.global_batch * seq_len, hooks=hooks
-    )
-    if config.timeline and lead:
+    tokens = config.data.global_batch * run.seq_len
+    hetjax.run_training(step, config.steps, tokens_per_step=tokens, hooks=hooks)
+    if logging.timeline and lead:
         timeline = trainer.timeline()
-        timeline.to_png(config.timeline)
+        timeline.to_png(logging.timeline)
         bubbles = ", ".join(f"{b:.2f}" for b in timeline.bubble)
         note = " (stages on other processes were not timed here: read as 0)" if multi else ""
-        print(f"timeline: {config.timeline} (simulated bubble per stage: {bubbles}){note}")
+        print(f"timeline: {logging.timeline} (simulated bubble per stage: {bubbles}){note}")
     return 0
 
 
-def _shared_settings(config: TrainConfig, devices: Sequence[Any]) -> dict[str, Any]:
-    """What every process of a job must agree on: the config minus :data:`_PER_PROCESS`,
-    plus the devices and JAX version each process found."""
+@dataclasses.dataclass(frozen=True)
+class _Run:
+    """What :func:`_plan` decided: everything but the parameters and the trainer."""
+
+    model: Any  # models.mllm.MLLM
+    dataset: Any  # models.data.SyntheticLlava
+    seq_len: int
+    optimizer: Any  # hetjax.OptimizerConfig
+    plan: Any  # hetjax.runtime.RunPlan; None for the reference trainer
+    layout_text: str
+
+
+def _join_job(config: TrainConfig) -> tuple[Any, list]:
+    """Joins the multi-process job (if any) and picks the devices."""
+    # Before anything touches JAX: XLA reads it when it loads, and a multi-process run
+    # must join its job before any backend exists.
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    from hetjax import distributed
+
+    d = config.distributed
+    with errors_as_flags():
+        info = distributed.initialize(
+            coordinator=d.coordinator,
+            num_processes=d.num_processes,
+            process_id=d.process_id,
+            local_device_count=config.parallel.devices,
+            cpu=not accelerator_installed(),
+        )
+    if info.is_multiprocess:
+        # First: from here on, a process that stops takes the others with it.
+        distributed.watch_peers()
+    with _stop_peers_on_error(info.is_multiprocess):  # GPU counts may differ between machines
+        devices = setup_devices(config.parallel.devices, multiprocess=info.is_multiprocess)
+    return info, devices
+
+
+def _check_output_dirs(config: TrainConfig) -> None:
+    for flag, path in (
+        ("--metrics", config.logging.metrics),
+        ("--timeline", config.logging.timeline),
+    ):
+        folder = os.path.dirname(os.path.abspath(path)) if path else None
+        if folder and not os.path.isdir(folder):
+            raise ConfigError(
+                f"{flag} {path}: directory {folder} does not exist; create it or write the "
+                "file elsewhere"
+            )
+
+
+def _plan(config: TrainConfig, devices: Sequence[Any]) -> _Run:
+    """Every check that needs the model or the device count, before any parameter exists:
+    preset, sequence length, layouts against the model, placement, islands, schedule and
+    batch split (:func:`hetjax.runtime.plan_run`). Nothing here compiles."""
+    import jax.numpy as jnp
+
+    import hetjax
+    import hetjax.config as hc
+    from models.config import get_preset
+    from models.data import DataConfig, SyntheticLlava
+    from models.mllm import MLLM
+
+    preset = get_preset(config.model.preset)
+    seq_len = config.model.seq_len or preset.seq_len
+    dataset = SyntheticLlava(DataConfig.for_model(preset, seq_len=seq_len, seed=config.seed))
+    o = config.optimizer
+    optimizer = hetjax.OptimizerConfig(
+        lr=o.lr,
+        total_steps=config.steps,
+        warmup_steps=max(1, config.steps // 10) if o.warmup_steps is None else o.warmup_steps,
+        weight_decay=o.weight_decay,
+        clip_norm=o.clip_norm,
+    )
+    model = MLLM(preset, dtype=jnp.bfloat16 if config.model.dtype == "bfloat16" else jnp.float32)
+    p, n = config.parallel, len(devices)
+    if p.reference:
+        hetjax.runtime.check_batch_split(config.data.global_batch, p.microbatches, n)
+        text = f"reference data parallel: dp={n}"
+        return _Run(model, dataset, seq_len, optimizer, None, text)
+    names = model.module_names
+    given = hc.module_layouts(p.layouts or default_layouts(names, n, p.mode), names)
+    if "llm" not in given:
+        raise ValueError("give the LLM's layout too, e.g. layouts={'llm': 'dp=2,tp=2,pp=2'}")
+    layouts = {name: given.get(name, given["llm"]) for name in names}
+    model.validate_layouts(layouts, seq_len=seq_len)
+    plan = hetjax.runtime.plan_run(
+        model.train_graph(layouts),
+        num_devices=n,
+        mode=p.mode,
+        islands=dict(p.islands) or None,
+        microbatches=p.microbatches,
+        schedule=p.schedule,
+        offload_encoders=p.offload_encoder,
+        global_batch=config.data.global_batch,
+    )
+    if p.mode == "homogeneous":  # the encoders' inherited layouts must fit them too
+        model.validate_layouts({m.name: m.layout for m in plan.graph.modules if m.name != "llm"})
+    shown = "; ".join(f"{m.name} {m.layout}" for m in plan.graph.modules)
+    text = f"{p.mode}: {shown}; schedule {plan.schedule.name}"
+    return _Run(model, dataset, seq_len, optimizer, plan, text)
+
+
+def _trainer(config: TrainConfig, run: _Run, devices: Sequence[Any]):
+    """The parameters (the run's first compiles) and the trainer that owns them."""
     import jax
 
-    shared = {k: v for k, v in dataclasses.asdict(config).items() if k not in _PER_PROCESS}
+    import hetjax
+
+    params = run.model.init(jax.random.key(config.seed))
+    if run.plan is None:
+        axes = {name: m.logical_axes() for name, m in run.model.modules.items()}
+        return hetjax.ReferenceTrainer(
+            run.model.loss_sum,
+            params,
+            hetjax.make_optimizer(run.optimizer, logical_axes=axes),
+            devices=devices,
+            microbatches=config.parallel.microbatches,
+        )
+    p = config.parallel
+    return hetjax.Executor(
+        run.plan,
+        params,
+        devices=devices,
+        optimizer=run.optimizer,
+        options=hetjax.ParallelOptions(zero1=p.zero1, sequence_parallel=p.sequence_parallel),
+    )
+
+
+def _hooks(config: TrainConfig, run: _Run, devices: Sequence[Any], processes: int) -> list:
+    """Process 0's observers: metrics file, progress bar, run summary."""
+    import hetjax
+
+    hooks: list = []
+    if config.logging.metrics:
+        hooks.append(hetjax.JsonlWriter(config.logging.metrics))
+    hooks.append(hetjax.ProgressBar(config.steps))
+    counts = run.model.num_params()
+    over = f" over {processes} processes" if processes > 1 else ""
+    params = ", ".join(f"{k} {v:,}" for k, v in counts.items())
+    summary = {
+        "model": f"{run.model.config.name}: {sum(counts.values()):,} params ({params})",
+        "devices": f"{len(devices)} x {devices[0].platform}{over}",
+        "layout": run.layout_text,
+        "batch": f"{config.data.global_batch} samples x {run.seq_len} tokens, "
+        f"{config.parallel.microbatches} microbatch(es), {config.model.dtype}",
+    }
+    hooks.append(hetjax.Summary(summary))
+    return hooks
+
+
+def _shared_settings(config: TrainConfig, devices: Sequence[Any]) -> dict[str, Any]:
+    """What every process of a job must agree on: the config (dotted keys) minus
+    :data:`_PER_PROCESS`, plus the devices and JAX version each process found."""
+    import jax
+
+    import hetjax.config as hc
+
+    flat = hc.flatten(hc.to_dict(config))
+    shared = {k: v for k, v in flat.items() if k not in _PER_PROCESS}
     shared["global devices"] = f"{len(devices)} x {devices[0].platform}"
     shared["jax"] = jax.__version__
     return shared
@@ -328,69 +272,6 @@ def _stop_peers_on_error(multiprocess: bool) -> Iterator[None]:
 
             distributed.fail(f"{PROG}: error: {e}", exit_code=2)
         raise
-
-
-def _reference(config, model, init_params, opt_cfg, devices):
-    import hetjax
-
-    for flag, on in (
-        ("--timeline", config.timeline),
-        ("--zero1", config.zero1),
-        ("--sequence-parallel", config.sequence_parallel),
-        ("--offload-encoder", config.offload_encoder),
-    ):
-        if on:
-            raise ConfigError(f"{flag} is a heterogeneous-executor option; drop --reference")
-    hetjax.runtime.check_batch_split(config.global_batch, config.microbatches, len(devices))
-    axes = {name: m.logical_axes() for name, m in model.modules.items()}
-    trainer = hetjax.ReferenceTrainer(
-        model.loss_sum,
-        init_params(),
-        hetjax.make_optimizer(opt_cfg, logical_axes=axes),
-        devices=devices,
-        microbatches=config.microbatches,
-    )
-    return trainer, f"reference data parallel: dp={len(devices)}"
-
-
-def _heterogeneous(config, model, init_params, opt_cfg, devices):
-    import hetjax
-    from hetjax.runtime.executor import check_batch, homogeneous_graph
-
-    names = model.module_names
-    given = hetjax.runtime.parse_layouts(config.layout, names)
-    if not given:
-        given = {n: hetjax.Layout.parse(t) for n, t in default_layouts(names, len(devices)).items()}
-    elif "llm" not in given:
-        raise ConfigError("give the LLM's layout too, e.g. --layout llm:dp=2,tp=2,pp=2")
-    layouts = {n: given.get(n, given["llm"]) for n in names}
-    model.validate_layouts(layouts, seq_len=config.seq_len or model.config.seq_len)
-    mode = "homogeneous" if config.homogeneous else config.placement
-    if config.island and mode != "non-colocated":
-        raise ConfigError("--island is only for --placement non-colocated")
-    graph = model.train_graph(layouts)
-    # Before parameters exist, so a bad batch fails without compiling anything.
-    effective = homogeneous_graph(graph) if mode == "homogeneous" else graph
-    if mode == "homogeneous":  # the encoders' inherited layouts must fit them too
-        model.validate_layouts({m.name: m.layout for m in effective.modules if m.name != "llm"})
-    check_batch(effective, config.global_batch, config.microbatches)
-    trainer = hetjax.Executor(
-        graph,
-        init_params(),
-        devices=devices,
-        mode=mode,
-        islands=parse_islands(config.island) if config.island else None,
-        microbatches=config.microbatches,
-        schedule=config.schedule,
-        optimizer=opt_cfg,
-        offload_encoders=config.offload_encoder,
-        options=hetjax.ParallelOptions(
-            zero1=config.zero1, sequence_parallel=config.sequence_parallel
-        ),
-    )
-    shown = {spec.name: str(spec.layout) for spec in trainer.graph.modules}
-    text = f"{mode}: " + "; ".join(f"{n} {l}" for n, l in shown.items())
-    return trainer, text + f"; schedule {trainer.schedule.name}"
 
 
 if __name__ == "__main__":

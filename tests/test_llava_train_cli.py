@@ -79,7 +79,14 @@ def runs(tmp_path_factory):
         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
     }
     results, rows = {}, {}
-    for name, args in RUNS.items():
+    # tiny_a's run again, from the file --print-config writes (with a different --steps,
+    # which the command line then overrides): the same resolved config must give the
+    # same losses.
+    printed = _finish({"print": _start(["--print-config", *RUNS["tiny_a"], "--steps", "7"])})
+    results.update(printed)
+    (tmp / "run.yaml").write_text(printed["print"].stdout)
+    runs = {**RUNS, "from_config": ["--config", str(tmp / "run.yaml"), "--steps", "3"]}
+    for name, args in runs.items():
         path = tmp / f"{name}.jsonl"
         results.update(_finish({name: _start([*args, "--metrics", str(path)], cache)}))
         text = path.read_text() if path.exists() else ""
@@ -127,6 +134,15 @@ def test_same_seed_same_losses(runs):
     assert len(set(losses_a)) == 3  # the model does train
 
 
+def test_print_config_then_config_repeats_the_run(runs):
+    results, rows = runs
+    printed = results["print"]
+    assert printed.returncode == 0 and printed.stderr == "", printed.stderr[-3000:]
+    assert "steps: 7" in printed.stdout and "hetjax run summary" not in printed.stdout
+    _check_ok(results["from_config"])
+    assert [r["loss"] for r in rows["from_config"]] == [r["loss"] for r in rows["tiny_a"]]
+
+
 # (flags, regular expressions the one-line error must match: what is wrong and the fix)
 BAD_INPUT = {
     "unknown-preset": (["--model", "nope"], [r"unknown model preset 'nope'", r"tiny-av"]),
@@ -138,7 +154,20 @@ BAD_INPUT = {
         ["--global-batch", "6", "--microbatches", "1", "--devices", "4"],
         [r"not divisible", r"multiple of 4"],
     ),
-    "seq-len-too-short": (["--seq-len", "8"], [r"--seq-len 8 is too short", r"--seq-len 48"]),
+    "seq-len-too-short": (
+        ["--seq-len", "8"],
+        [r"--seq-len 8 is too short", r"need up to 49 tokens", r"48 inputs", r"--seq-len 48 "],
+    ),
+    # Island errors come from the run plan, before any parameter (whose initialisation
+    # would compile): the suggested islands fit the 8 devices.
+    "non-colocated-without-islands": (
+        ["--placement", "non-colocated"],
+        [r"needs an island per module", r"e\.g\. --island vision:4 --island llm:4 "],
+    ),
+    "islands-too-big": (
+        ["--placement", "non-colocated", "--island", "vision:8", "--island", "llm:4"],
+        [r"vision: island of 8 devices", r"needs 4", r"--island vision:4 match"],
+    ),
     "zero-steps": (["--steps", "0"], [r"--steps", r"positive integer, got 0"]),
     "negative-steps": (["--steps", "-3"], [r"--steps", r"positive integer, got -3"]),
     "malformed-lr": (["--lr", "abc"], [r"--lr", r"positive number, got 'abc'"]),

@@ -217,8 +217,7 @@ def island_positions(
     if not counts:
         raise LayoutError(
             f"non-colocated placement needs an island per module, e.g. islands={need} for "
-            f"these layouts (islands are assigned in order and must fit the "
-            f"num_devices={num_devices} devices)"
+            f"these layouts (assigned in order; together at most num_devices={num_devices})"
         )
     missing = [n for n in layouts if n not in counts]
     unknown = [n for n in counts if n not in layouts]

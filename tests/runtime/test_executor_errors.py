@@ -27,14 +27,14 @@ from hetjax import Layout, LayoutError
 from hetjax.boundary import BoundaryError, EdgeSpec, Endpoint
 from hetjax.inspect import CompileCounter
 from hetjax.meshes import place_modules
-from hetjax.runtime import parse_layouts
+from hetjax.config import InvalidConfigError, module_layouts
 from hetjax.schedules import ScheduleError
 from models.config import get_preset
 from models.mllm import MLLM
 
 ROOT = Path(__file__).resolve().parents[2]
 CLI_TIMEOUT_S = 300
-USER_ERRORS = (LayoutError, BoundaryError, ScheduleError)
+USER_ERRORS = (LayoutError, BoundaryError, ScheduleError, InvalidConfigError)
 
 
 def layouts(**texts: str) -> dict[str, Layout]:
@@ -90,7 +90,7 @@ def test_layout_must_multiply_to_device_count(model, lays, patterns):
 def test_non_colocated_needs_islands(model):
     with pytest.raises(LayoutError) as excinfo:
         make(model, layouts(vision="dp=4", llm="dp=2,pp=2"), mode="non-colocated")
-    check_one_line(excinfo, r"needs an island per module", r"--island vision:4 --island llm:4")
+    check_one_line(excinfo, r"needs an island per module", r"islands=\{'vision': 4, 'llm': 4\}")
 
 
 def test_islands_must_name_every_module(model):
@@ -111,7 +111,7 @@ def test_island_count_must_match_layout(model):
             mode="non-colocated",
             islands={"vision": 2, "llm": 4},
         )
-    check_one_line(excinfo, r"^vision: island of 2 devices", r"needs 4", r"--island vision:N")
+    check_one_line(excinfo, r"^vision: island of 2 devices", r"needs 4", r"make islands=\{'vision': 4\} match")
 
 
 def test_islands_must_fit_the_devices(model):
@@ -133,7 +133,7 @@ def test_colocated_takes_no_islands(model):
             mode="colocated",
             islands={"vision": 8, "llm": 8},
         )
-    check_one_line(excinfo, r"drop islands=", r"non-colocated")
+    check_one_line(excinfo, r"drop islands", r"mode='non-colocated'")
 
 
 def test_offload_needs_colocated(model):
@@ -145,13 +145,13 @@ def test_offload_needs_colocated(model):
             islands={"vision": 4, "llm": 4},
             offload_encoders=True,
         )
-    check_one_line(excinfo, r"encoder offload", r"--offload-encoder|--placement colocated")
+    check_one_line(excinfo, r"encoder offload", r"drop offload_encoders=True or use mode='colocated'")
 
 
 def test_colocated_runs_three_phase_not_gpipe(model):
     with pytest.raises(LayoutError) as excinfo:
         make(model, layouts(vision="dp=8", llm="dp=2,pp=4"), mode="colocated", schedule="gpipe")
-    check_one_line(excinfo, r"three-phase", r"--schedule gpipe", r"non-colocated or homogeneous")
+    check_one_line(excinfo, r"three-phase", r"schedule='gpipe'", r"non-colocated or homogeneous")
 
 
 def test_partially_overlapping_modules_are_a_boundary_error():
@@ -163,15 +163,15 @@ def test_partially_overlapping_modules_are_a_boundary_error():
     check_one_line(excinfo, r"vision->llm", r"share 2 of their 4 and 4 devices", r"disjoint")
 
 
-def test_unknown_module_in_layout_flag():
-    with pytest.raises(LayoutError) as excinfo:
-        parse_layouts(["nope:dp=8"], ["vision", "llm"])
-    check_one_line(excinfo, r"--layout 'nope:dp=8'", r"\['vision', 'llm'\]")
+def test_unknown_module_in_layouts():
+    with pytest.raises(InvalidConfigError) as excinfo:
+        module_layouts({"nope": "dp=8"}, ["vision", "llm"])
+    check_one_line(excinfo, r"parallel.layouts 'nope:dp=8'", r"\['vision', 'llm'\]")
 
 
-def test_layout_flag_parse_error_names_the_module():
+def test_layout_parse_error_names_the_module():
     with pytest.raises(LayoutError) as excinfo:
-        parse_layouts(["llm:dp=two"], ["vision", "llm"])
+        module_layouts({"llm": "dp=two"}, ["vision", "llm"])
     check_one_line(excinfo, r"^llm: ", r"dp='two'", r"e\.g\. dp=2")
 
 

@@ -1,0 +1,290 @@
+"""The training configuration: one frozen dataclass tree, checked when it is built.
+
+A run is described by :class:`TrainConfig` and its sections (model, data, parallel,
+optimizer, checkpoint, distributed, logging). Every field carries a one-line doc in its
+metadata (``dataclasses.fields(...)[i].metadata["doc"]``): the CLI's help and the
+comments of :func:`hetjax.config.dump` are read from there, so a setting is described
+once.
+
+Unlike a bag of flags that each consumer re-checks, the whole tree is checked once, in
+``TrainConfig.__post_init__``: the type of every field and what the config alone can
+decide (positive counts, known placements and schedules, islands only with non-colocated
+placement). What needs the model or the devices (layouts against heads and layers,
+islands against device counts) is :func:`hetjax.runtime.plan_run`'s job, still before any
+parameter exists. Errors are one line naming the field by its dotted path with a Python
+literal (``parallel.microbatches=0``), which a CLI translates into its flag names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any, Literal
+
+
+class InvalidConfigError(ValueError):
+    """A configuration value or file is invalid; the one-line message names the field."""
+
+
+def doc(default: Any, text: str) -> Any:
+    """A dataclass field with a default and its one-line doc (``metadata["doc"]``)."""
+    if isinstance(default, dict):  # a fresh dict per instance
+        return dataclasses.field(default_factory=lambda: dict(default), metadata={"doc": text})
+    return dataclasses.field(default=default, metadata={"doc": text})
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """What is trained: a preset of ``models/config.py`` and its compute settings."""
+
+    preset: str = doc("tiny", "model preset: tiny, tiny-av, tiny-moe, tiny-moe-enc, small")
+    seq_len: int | None = doc(None, "text + media tokens per sample (None: the preset's)")
+    dtype: Literal["float32", "bfloat16"] = doc(
+        "float32", "compute dtype: float32 or bfloat16 (parameters stay float32)"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """What each step reads (the data seed is the top-level ``seed``)."""
+
+    global_batch: int = doc(32, "samples per step, over all devices and microbatches")
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    """How the graph is laid out on the devices and scheduled."""
+
+    layouts: dict[str, str] = doc(
+        {},
+        "module -> layout, e.g. {llm: 'dp=2,tp=2,pp=2'}; a module without one gets the "
+        "LLM's; empty: the trainer's defaults",
+    )
+    placement: Literal["colocated", "non-colocated"] = doc(
+        "colocated",
+        "colocated (same devices, three-phase schedule) or non-colocated (islands, "
+        "graph-aware 1F1B)",
+    )
+    islands: dict[str, int] = doc(
+        {}, "non-colocated: module -> device count of its island, assigned in order"
+    )
+    homogeneous: bool = doc(
+        False, "baseline: encoders inherit the LLM's layout on its first pipeline stage"
+    )
+    schedule: Literal["1f1b", "gpipe"] = doc(
+        "1f1b", "pipeline order of the pipelined part: 1f1b or gpipe (colocated: three-phase)"
+    )
+    microbatches: int = doc(4, "pipeline microbatches per global batch")
+    offload_encoder: bool = doc(
+        False, "colocated: encoder params/optimizer state in host memory in the LLM phase"
+    )
+    zero1: bool = doc(False, "shard optimizer state over each module's data-parallel ranks")
+    sequence_parallel: bool = doc(
+        False, "with tp > 1: activations between TP regions sharded on sequence"
+    )
+    reference: bool = doc(False, "train with the plain data-parallel reference trainer instead")
+    devices: int | None = doc(
+        None,
+        "simulated CPU devices when there is no GPU (None: 8; on GPU: all visible); in a "
+        "multi-process run, devices PER PROCESS",
+    )
+
+    @property
+    def mode(self) -> Literal["colocated", "non-colocated", "homogeneous"]:
+        """The executor's mode: the homogeneous baseline, else the placement."""
+        return "homogeneous" if self.homogeneous else self.placement
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW with linear warm-up and cosine decay to 10% of the peak."""
+
+    lr: float = doc(3e-3, "peak learning rate")
+    warmup_steps: int | None = doc(None, "warm-up steps (None: 10% of the run, at least 1)")
+    weight_decay: float = doc(0.01, "AdamW decay on matrices (not biases / norms)")
+    clip_norm: float = doc(1.0, "global gradient-norm clip (<= 0: off)")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """Where the run's state is saved (not written yet: the checkpoint issue fills this)."""
+
+    dir: str | None = doc(None, "checkpoint directory (None: no checkpoints)")
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+    """A multi-process job started by hand (not needed under hetjax.launch or SLURM)."""
+
+    coordinator: str | None = doc(None, "HOST:PORT of process 0")
+    num_processes: int | None = doc(None, "number of processes of the job")
+    process_id: int | None = doc(None, "this process's index, 0 .. num_processes-1")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoggingConfig:
+    """What process 0 writes besides the progress output."""
+
+    metrics: str | None = doc(None, "JSON Lines path for per-step metrics")
+    timeline: str | None = doc(None, "PNG path: profile the last step, draw its Gantt chart")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Everything a training run depends on; ``--print-config`` writes it out."""
+
+    steps: int = doc(200, "optimiser steps")
+    seed: int = doc(0, "initialisation and data seed; same seed -> identical losses")
+    model: ModelConfig = doc(ModelConfig(), "what is trained")
+    data: DataConfig = doc(DataConfig(), "what each step reads")
+    parallel: ParallelConfig = doc(ParallelConfig(), "layouts, placement and schedule")
+    optimizer: OptimizerConfig = doc(OptimizerConfig(), "AdamW and its schedule")
+    checkpoint: CheckpointConfig = doc(CheckpointConfig(), "saved state")
+    distributed: DistributedConfig = doc(DistributedConfig(), "a hand-started job")
+    logging: LoggingConfig = doc(LoggingConfig(), "files process 0 writes")
+
+    def __post_init__(self):
+        check(self)
+
+
+# Value rules: dotted path -> (holds for the value, what it must be). None always passes
+# where the field's type allows it.
+_RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
+    "steps": (lambda v: v >= 1, "a positive integer"),
+    "seed": (lambda v: v >= 0, "a non-negative integer (it seeds numpy's generator)"),
+    "model.seq_len": (lambda v: v >= 1, "a positive integer"),
+    "data.global_batch": (lambda v: v >= 1, "a positive integer"),
+    "parallel.microbatches": (lambda v: v >= 1, "a positive integer"),
+    "parallel.devices": (lambda v: v >= 1, "a positive integer"),
+    "parallel.islands": (lambda v: all(n >= 1 for n in v.values()), "positive device counts"),
+    "parallel.layouts": (lambda v: all(k and t for k, t in v.items()), "non-empty texts"),
+    "optimizer.lr": (lambda v: v > 0, "a positive number"),
+    "optimizer.warmup_steps": (lambda v: v >= 0, "an integer >= 0"),
+    "distributed.num_processes": (lambda v: v >= 1, "a positive integer"),
+    "distributed.process_id": (lambda v: v >= 0, "an integer >= 0"),
+}
+# Options of the heterogeneous executor that the reference trainer does not have.
+_NOT_FOR_REFERENCE = (
+    "logging.timeline",
+    "parallel.zero1",
+    "parallel.sequence_parallel",
+    "parallel.offload_encoder",
+)
+
+
+def check(cfg: TrainConfig) -> None:
+    """Checks every field's type and what the config alone can decide.
+
+    Raises:
+        InvalidConfigError: one line naming the field, e.g. ``parallel.microbatches=0
+            must be a positive integer``.
+    """
+    for path, value, hint in walk(cfg):
+        if not matches(value, hint):
+            raise InvalidConfigError(f"{path}={value!r} is not {describe(hint)}")
+        rule = _RULES.get(path)
+        if rule is not None and value is not None and not rule[0](value):
+            raise InvalidConfigError(f"{path}={value!r} must be {rule[1]}")
+    p = cfg.parallel
+    if p.homogeneous and p.placement != "colocated":
+        raise InvalidConfigError(
+            "parallel.homogeneous puts the encoders on the LLM's first stage, so it takes no "
+            f"parallel.placement={p.placement!r}; drop one of them"
+        )
+    if p.islands and p.placement != "non-colocated":
+        raise InvalidConfigError(
+            "parallel.islands is only for parallel.placement='non-colocated'; drop "
+            "parallel.islands or set parallel.placement='non-colocated'"
+        )
+    if p.reference:
+        for path in _NOT_FOR_REFERENCE:
+            section, name = path.split(".")
+            if getattr(getattr(cfg, section), name):
+                raise InvalidConfigError(
+                    f"{path} is a heterogeneous-executor option; drop parallel.reference"
+                )
+
+
+def sections() -> dict[str, type]:
+    """Section name -> its dataclass, in :class:`TrainConfig` order."""
+    hints = typing.get_type_hints(TrainConfig)
+    return {
+        f.name: hints[f.name]
+        for f in dataclasses.fields(TrainConfig)
+        if dataclasses.is_dataclass(hints[f.name])
+    }
+
+
+class Leaf(typing.NamedTuple):
+    """One setting of the tree: its type hint, default and one-line doc."""
+
+    hint: Any
+    default: Any
+    doc: str
+
+
+def leaves(cls: type = TrainConfig, prefix: str = "") -> dict[str, Leaf]:
+    """Dotted path -> :class:`Leaf` of every setting, in declaration order."""
+    hints = typing.get_type_hints(cls)
+    defaults = cls()
+    out: dict[str, Leaf] = {}
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            out.update(leaves(hints[f.name], f"{prefix}{f.name}."))
+        else:
+            out[prefix + f.name] = Leaf(hints[f.name], getattr(defaults, f.name), f.metadata["doc"])
+    return out
+
+
+def walk(obj: Any, prefix: str = "") -> typing.Iterator[tuple[str, Any, Any]]:
+    """``(dotted path, value, type hint)`` of every leaf setting of a config tree."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(hints[f.name]):
+            if not isinstance(value, hints[f.name]):
+                raise InvalidConfigError(
+                    f"{prefix}{f.name} must be a {hints[f.name].__name__}, got {value!r}"
+                )
+            yield from walk(value, f"{prefix}{f.name}.")
+        else:
+            yield prefix + f.name, value, hints[f.name]
+
+
+def matches(value: Any, hint: Any) -> bool:
+    """Whether ``value`` has type ``hint`` (the few forms a config field uses)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is type(None):
+        return value is None
+    if origin is Literal:
+        return value in args and all(type(value) is type(a) for a in args if a == value)
+    if origin in (types.UnionType, typing.Union):
+        return any(matches(value, a) for a in args)
+    if origin in (dict, Mapping):
+        return isinstance(value, Mapping) and all(
+            matches(k, args[0]) and matches(v, args[1]) for k, v in value.items()
+        )
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    return isinstance(value, hint)
+
+
+def describe(hint: Any) -> str:
+    """A type hint in words, for error messages."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is type(None):
+        return "null"
+    if origin is Literal:
+        return "one of " + ", ".join(map(repr, args))
+    if origin in (types.UnionType, typing.Union):
+        return " or ".join(describe(a) for a in args)
+    if origin in (dict, Mapping):
+        return f"a mapping of {describe(args[0])} to {describe(args[1])}"
+    names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}
+    return names.get(hint, getattr(hint, "__name__", str(hint)))
