@@ -32,8 +32,9 @@ def run_training(
     A step's time is the interval between the moments the host sees it and the step
     before it finished: a step is seen finished when its metrics are ready (checked
     right after each dispatch, which may itself wait on the devices) or when reading
-    them returns. So a dispatch that blocks is not billed to the wrong step, and the
-    last step's time is its own.
+    them returns. Steps first seen finished at the same moment (a dispatch that waited
+    for the devices) share the interval since the last finish evenly, so no step is
+    billed for another's work and the last step's time is not zero.
 
     Args:
         step_fn: dispatches one step and returns its metrics (a
@@ -48,13 +49,18 @@ def run_training(
     pending: tuple[int, Mapping[str, Any]] | None = None
     done_at = {start - 1: time.perf_counter()}
 
-    def seen(step: int, metrics: Mapping[str, Any], now: float) -> None:
-        if step not in done_at and _ready(metrics):
-            done_at[step] = now
+    def finished(newly: list[int], now: float) -> None:
+        last = max(done_at)
+        for j, s in enumerate(newly, start=1):
+            done_at[s] = done_at[last] + (now - done_at[last]) * j / len(newly)
+
+    def seen(items: list[tuple[int, Mapping[str, Any]]], now: float) -> None:
+        finished([s for s, m in items if s not in done_at and _ready(m)], now)
 
     def report(done: int, step_metrics: Mapping[str, Any]) -> None:
         metrics = {k: float(v) for k, v in step_metrics.items()}  # waits for step `done`
-        done_at.setdefault(done, time.perf_counter())
+        if done not in done_at:
+            finished([done], time.perf_counter())
         elapsed = max(done_at[done] - done_at[done - 1], 1e-9)
         metrics.update(
             step=done,
@@ -68,10 +74,7 @@ def run_training(
 
     for step in range(start, steps + 1):
         current = (step, step_fn(step)) if step < steps else None
-        now = time.perf_counter()
-        for item in (pending, current):
-            if item is not None:
-                seen(*item, now)
+        seen([item for item in (pending, current) if item is not None], time.perf_counter())
         if pending is not None:
             report(*pending)
             pending = None

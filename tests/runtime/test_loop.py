@@ -77,3 +77,18 @@ def test_progress_bar_and_summary_text():
     text = summary_out.getvalue()
     assert "hetjax run summary" in text and "tiny" in text
     assert "5.0000 -> -19.0000" in text and "steps" in text
+
+
+def test_blocking_dispatch_bills_every_step_its_own_time():
+    """A dispatch that waits for the devices (as on CPU) returns metrics already computed:
+    the last step must not get ~0 seconds (and an absurd tokens/s)."""
+    import time
+
+    def step_fn(i):
+        time.sleep(0.05)  # the step runs during its dispatch
+        return {"loss": jnp.float32(i)}
+
+    history = run_training(step_fn, 4, tokens_per_step=64)
+    times = [m["step_time_s"] for m in history]
+    assert all(t > 0.02 for t in times), times
+    assert sum(times) == pytest.approx(0.2, rel=0.5)
