@@ -111,7 +111,9 @@ def test_island_count_must_match_layout(model):
             mode="non-colocated",
             islands={"vision": 2, "llm": 4},
         )
-    check_one_line(excinfo, r"^vision: island of 2 devices", r"needs 4", r"make islands=\{'vision': 4\} match")
+    check_one_line(
+        excinfo, r"^vision: island of 2 devices", r"needs 4", r"make islands=\{'vision': 4\} match"
+    )
 
 
 def test_islands_must_fit_the_devices(model):
@@ -145,7 +147,9 @@ def test_offload_needs_colocated(model):
             islands={"vision": 4, "llm": 4},
             offload_encoders=True,
         )
-    check_one_line(excinfo, r"encoder offload", r"drop offload_encoders=True or use mode='colocated'")
+    check_one_line(
+        excinfo, r"encoder offload", r"drop offload_encoders=True or use mode='colocated'"
+    )
 
 
 def test_colocated_runs_three_phase_not_gpipe(model):
