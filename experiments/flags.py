@@ -195,7 +195,7 @@ def default_layouts(
 _LITERAL = r"\{[^{}]*\}|\[[^\[\]]*\]|'[^']*'|\"[^\"]*\"|-?\d+(?:\.\d+)?(?:e-?\d+)?|True|False|None"
 # Bare parameter names (no `=value`) that never occur as plain English in a message:
 # these, and dotted config paths, are translated on their own.
-_BARE = {"islands", "offload_encoders", "num_devices"}
+_BARE = {"islands", "offload_encoders", "num_devices", "coordinator", "num_processes", "process_id"}
 
 
 def _by_name() -> dict[str, Flag]:

@@ -68,9 +68,9 @@ def resolve(
     if local_device_count is not None and local_device_count < 1:
         raise ValueError(f"local device count must be at least 1, got {local_device_count}")
     given = {
-        "--coordinator": coordinator,
-        "--num-processes": num_processes,
-        "--process-id": process_id,
+        "coordinator": coordinator,
+        "num_processes": num_processes,
+        "process_id": process_id,
     }
     if all(v is None for v in given.values()):
         cluster = _cluster_env(env)
@@ -87,11 +87,13 @@ def resolve(
     assert num_processes is not None and process_id is not None and coordinator is not None
     if num_processes < 1 or not 0 <= process_id < num_processes:
         raise ValueError(
-            f"--process-id {process_id} with --num-processes {num_processes}: the id must be "
+            f"process_id={process_id} with num_processes={num_processes}: the id must be "
             f"in 0..{num_processes - 1}"
         )
     if ":" not in coordinator:
-        raise ValueError(f"--coordinator {coordinator!r} must be HOST:PORT, e.g. 10.0.0.1:1234")
+        raise ValueError(
+            f"coordinator={coordinator!r} must be HOST:PORT, e.g. coordinator='10.0.0.1:1234'"
+        )
     source = "flags" if explicit else "env"
     return DistributedInfo(process_id, num_processes, coordinator, local_device_count, source)
 

@@ -5,10 +5,12 @@
 - :mod:`~hetjax.inspect.compiles` - compile counting on ``jax.monitoring`` events
   (:class:`CompileCounter`, :func:`expect_compiles`);
 - :mod:`~hetjax.inspect.memory` - live bytes per device and compiled peak bytes;
-- :mod:`~hetjax.inspect.timers` - a wall-clock :class:`Timer` that keeps samples.
+- :mod:`~hetjax.inspect.timers` - a wall-clock :class:`Timer` that keeps samples;
+- :mod:`~hetjax.inspect.observers` - :class:`Recorder`, an executor observer keeping
+  compiled programs, call counts and transfer bytes.
 
-It reads programs and arrays only; it knows nothing of models, experiments or the
-executor (which it must not import).
+It reads programs, arrays and observer events only; it knows nothing of models,
+experiments or the executor (which it must not import).
 """
 
 from .compiles import BACKEND_COMPILE_EVENT as BACKEND_COMPILE_EVENT
@@ -25,6 +27,7 @@ from .memory import array_bytes_per_device as array_bytes_per_device
 from .memory import live_arrays as live_arrays
 from .memory import live_bytes_per_device as live_bytes_per_device
 from .memory import peak_bytes as peak_bytes
+from .observers import Recorder as Recorder
 from .timers import Timer as Timer
 
 __all__ = [
@@ -32,6 +35,7 @@ __all__ = [
     "KINDS",
     "Collective",
     "CompileCounter",
+    "Recorder",
     "Timer",
     "array_bytes_per_device",
     "bytes_by_kind",

@@ -40,7 +40,7 @@ class OptimizerConfig:
                 f"{self.total_steps} and {self.warmup_steps}"
             )
         if self.lr <= 0:
-            raise ValueError(f"learning rate must be positive, got {self.lr}; use --lr 3e-3")
+            raise ValueError(f"learning rate must be positive, got lr={self.lr}; use e.g. lr=0.003")
 
 
 def learning_rate_schedule(cfg: OptimizerConfig) -> optax.Schedule:

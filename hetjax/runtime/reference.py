@@ -44,7 +44,7 @@ def split_microbatches(batch: Batch, microbatches: int) -> Batch:
 def check_batch_split(global_batch: int, microbatches: int, dp: int) -> None:
     if microbatches < 1 or global_batch % microbatches:
         raise ValueError(
-            f"--global-batch {global_batch} is not divisible by --microbatches {microbatches}; "
+            f"global_batch={global_batch} is not divisible by microbatches={microbatches}; "
             "pick a microbatch count that divides the batch"
         )
     if (global_batch // microbatches) % dp:

@@ -288,7 +288,7 @@ def test_resolve_prefers_flags_then_launcher_env_then_cluster():
 @pytest.mark.parametrize(
     "kwargs,message",
     [
-        (dict(coordinator="h:1"), "--coordinator given but --num-processes and --process-id"),
+        (dict(coordinator="h:1"), "coordinator given but num_processes and process_id"),
         (dict(coordinator="h:1", num_processes=2, process_id=2), "must be in 0..1"),
         (dict(coordinator="host", num_processes=2, process_id=0), "HOST:PORT"),
         (dict(environ={"HETJAX_NUM_PROCESSES": "two"}), "HETJAX_NUM_PROCESSES='two'"),

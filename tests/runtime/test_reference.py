@@ -113,7 +113,7 @@ def test_split_microbatches_layout():
 
 def test_check_batch_split_errors_name_the_fix():
     check_batch_split(8, 2, 4)
-    with pytest.raises(ValueError, match="not divisible by --microbatches 4"):
+    with pytest.raises(ValueError, match="not divisible by microbatches=4"):
         check_batch_split(10, 4, 1)
     with pytest.raises(ValueError, match="use a global batch that is a multiple of 8"):
         check_batch_split(12, 2, 4)
