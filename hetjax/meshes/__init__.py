@@ -12,10 +12,12 @@ from .placement import place_modules as place_modules
 from .placement import validate_layout as validate_layout
 from .rules import BATCH_AXES as BATCH_AXES
 from .rules import LOGICAL_AXIS_RULES as LOGICAL_AXIS_RULES
+from .rules import activation_sharding as activation_sharding
 from .rules import batch_sharding as batch_sharding
 from .rules import logical_to_sharding as logical_to_sharding
 from .rules import logical_to_spec as logical_to_spec
 from .rules import param_shardings as param_shardings
+from .rules import sequence_axes as sequence_axes
 from .sequence import inverse_permutation as inverse_permutation
 from .sequence import zigzag_permutation as zigzag_permutation
 from .validation import validate_batch as validate_batch
@@ -23,7 +25,9 @@ from .validation import validate_divisible as validate_divisible
 
 __all__ = [
     "BATCH_AXES",
+    "activation_sharding",
     "batch_sharding",
+    "sequence_axes",
     "inverse_permutation",
     "zigzag_permutation",
     "DEGREES",

@@ -52,6 +52,31 @@ BATCH_AXES: tuple[str, ...] = LOGICAL_AXIS_RULES["batch"]  # type: ignore[assign
 """Mesh axes a batch dimension is split over (every data-parallel rank, experts' too)."""
 
 
+def sequence_axes(mesh: Mesh, *, tp: bool = False) -> MeshAxes:
+    """Mesh axes a sequence dimension is split over on ``mesh``.
+
+    The ``"seq"`` rule (``cp``) where ``cp > 1``; with ``tp`` (Megatron sequence
+    parallelism: the residual stream between TP regions) the tensor-parallel ranks too.
+    None when nothing splits it.
+    """
+    seq = LOGICAL_AXIS_RULES["seq"]
+    split = mesh.shape[seq] > 1
+    if tp:
+        return (seq, "tp") if split else "tp"
+    return seq if split else None
+
+
+def activation_sharding(
+    mesh: Mesh, ndim: int, *, batch_axes: MeshAxes = BATCH_AXES, sequence: MeshAxes = None
+) -> NamedSharding:
+    """``[B, L, ...]`` activations: batch over ``batch_axes`` (the ``"batch"`` rule, or the
+    axes left inside a per-replica ``vmap``), sequence over ``sequence`` (see
+    :func:`sequence_axes`), the rest replicated."""
+    if ndim < 2:
+        return NamedSharding(mesh, PartitionSpec(batch_axes))
+    return NamedSharding(mesh, PartitionSpec(batch_axes, sequence, *([None] * (ndim - 2))))
+
+
 def batch_sharding(mesh: Mesh, ndim: int, *, sequence: bool = False) -> NamedSharding:
     """An activation or batch array on a stage mesh: ``("batch", "seq", None, ...)``.
 

@@ -20,6 +20,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from hetjax.meshes.rules import activation_sharding, sequence_axes
+
 _CURRENT: contextvars.ContextVar[ParallelContext | None] = contextvars.ContextVar(
     "hetjax_parallel_context", default=None
 )
@@ -56,12 +58,9 @@ class ParallelContext:
         None when sequence parallelism is off or ``tp == 1``."""
         if not self.sp:
             return None
-        if split:
-            seq = ("cp", "tp") if self.cp > 1 else "tp"
-        else:
-            seq = "cp" if self.cp > 1 else None
         batch = tuple(self.batch_axes) if self.batch_axes else None
-        return NamedSharding(self.mesh, PartitionSpec(batch, seq, *([None] * (ndim - 2))))
+        seq = sequence_axes(self.mesh, tp=split)
+        return activation_sharding(self.mesh, ndim, batch_axes=batch, sequence=seq)
 
     @property
     def sp(self) -> bool:

@@ -31,7 +31,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from hetjax.meshes import BATCH_AXES, param_shardings
+from hetjax.meshes import BATCH_AXES, activation_sharding, param_shardings, sequence_axes
 from hetjax.ops.context import parallel_context
 from hetjax.ops.token_routing import Routed
 from hetjax.runtime.graph import ModuleSpec
@@ -233,12 +233,11 @@ class StageProgram:
             h = main.apply_post(mine["post"], h)
         for part in parts[1:]:
             h = part(params[part.name], h)
-        if self.mesh.shape["cp"] > 1:
+        if sequence_axes(self.mesh) is not None:
             # A module's output leaves batch-split and whole over cp (the boundary's
             # source layout), so its cp ranks' token slices are gathered here.
-            h = jax.lax.with_sharding_constraint(
-                h, NamedSharding(self.mesh, P(self.batch_axes(per_replica)))
-            )
+            batch = self.batch_axes(per_replica)
+            h = jax.lax.with_sharding_constraint(h, NamedSharding(self.mesh, P(batch)))
         return h
 
     def batch_axes(self, per_replica: bool) -> tuple[str, ...] | None:
@@ -256,14 +255,11 @@ class StageProgram:
         Sequence parallelism: split over tp (and cp) too, so GSPMD turns the row-parallel
         all-reduce into a reduce-scatter and gathers the sequence before the next
         column-parallel matmul."""
-        cp = self.mesh.shape["cp"] > 1
-        if self.options.sequence_parallel and self.mesh.shape["tp"] > 1:
-            seq_axes = ("cp", "tp") if cp else "tp"
-        elif cp:
-            seq_axes = "cp"
-        else:
+        sp = self.options.sequence_parallel and self.mesh.shape["tp"] > 1
+        seq = sequence_axes(self.mesh, tp=sp)
+        if seq is None:
             return None
-        return NamedSharding(self.mesh, P(batch_axes, seq_axes, *([None] * (h.ndim - 2))))
+        return activation_sharding(self.mesh, h.ndim, batch_axes=batch_axes, sequence=seq)
 
     @property
     def batch_keys(self) -> tuple[str, ...]:

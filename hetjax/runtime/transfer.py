@@ -31,7 +31,7 @@ from hetjax.boundary import (
     MultiProcessTransport,
     naive_device_put_bytes,
 )
-from hetjax.meshes import BATCH_AXES, ModuleMesh, batch_sharding
+from hetjax.meshes import BATCH_AXES, ModuleMesh, batch_sharding, sequence_axes
 from hetjax.ops.token_routing import Routed, exchange_routed, gather_routes, scatter_routes
 
 Direction = Literal["forward", "backward"]
@@ -45,7 +45,8 @@ class StageTransfer:
         self.dst_mesh = module.stage_mesh(stage + 1)
         self.boundary = None
         # Activations between stages are [B, L, D]: batch over dp, sequence over cp.
-        spec = P(BATCH_AXES, "cp") if module.layout.cp > 1 else P(BATCH_AXES)
+        seq = sequence_axes(self.src_mesh)
+        spec = P(BATCH_AXES, seq) if seq else P(BATCH_AXES)
         if multiprocess:
             self.boundary = Boundary(
                 EdgeSpec(
