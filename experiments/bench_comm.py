@@ -22,22 +22,27 @@ inherits the LLM's layout without PP):
 One JSON row per (scenario, mode, module), with:
 
 - ``collective_bytes``: by kind (all-reduce, all-gather, reduce-scatter, all-to-all,
-  collective-permute), summed over the module's devices, per step. Every stage program
-  is lowered with the arguments captured in the first step and compiled (a cache hit);
-  each collective of the HLO counts its full buffer per device (all-gather: its result;
-  reduce-scatter: its operand; the others: their operand = result), times the trip
-  counts of the ``while`` loops around it (``known_trip_count``: the scanned layers),
-  times the program's calls per step (counted in that step), times the stage's devices.
+  collective-permute), summed over the module's devices, per step. The executor
+  reports every stage program it compiles (``on_compile``, kept by a
+  :class:`hetjax.inspect.Recorder` passed at construction, which also counts the first
+  step's calls); each collective of its HLO counts its full buffer per device
+  (all-gather: its result; reduce-scatter: its operand; the others: their operand =
+  result), times the trip counts of the ``while`` loops around it
+  (``known_trip_count``: the scanned layers), times the program's calls per step
+  (counted in that step), times the stage's devices.
   XLA:CPU has no reduce-scatter pass: a reduce-scatter stays an all-reduce followed by
   a dynamic slice, and counts as an all-reduce here. The HLO is read by
   :func:`hetjax.inspect.collectives`.
 - ``boundary_bytes``: bytes the module's outgoing link moves per step (forward plan and
   the cotangent's reverse plan, every microbatch; cross-island plus island-local bytes,
-  from :class:`hetjax.boundary.TransferPlan`), plus its pipeline stage-to-stage copies.
+  from :class:`hetjax.boundary.TransferPlan`), plus its pipeline stage-to-stage copies:
+  the ``nbytes`` of the first step's ``on_transfer`` events.
 - ``peak_bytes_per_device``: the largest ``memory_analysis()`` footprint (arguments +
   outputs - aliased + temporaries) of the module's programs, per device.
-- ``step_time_s``: median wall time of the timed steps (the whole step, both modules);
-  ``compute_time_s``: the module's F/B time in one profiled step (extra).
+- ``step_time_s``: median wall time of the timed steps (the whole step, both modules;
+  the Recorder stays attached, which costs the executor an argument signature per
+  program call, about 20 us); ``compute_time_s``: the module's F/B time in one profiled
+  step (extra).
 
 Exits non-zero unless, in every scenario where the homogeneous encoder inherits
 ``tp > 1`` or ``cp > 1``, the heterogeneous encoder moves fewer collective bytes. An
@@ -48,15 +53,12 @@ that is what inheriting a layout means here; ``dp=8`` instead needs no ring at a
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import math
 import os
 import sys
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Iterator
 from typing import Any
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -94,111 +96,9 @@ class BenchConfig:
     steps: int = 5  # steps per executor (the first compiles; the rest are timed)
 
 
-# -- recording one step ---------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class Recording:
-    """What one step of an executor called: program arguments, call counts, transfers."""
-
-    # (stage key, program name) -> abstract arguments of its first call / calls per step
-    args: dict[tuple, tuple] = dataclasses.field(default_factory=dict)
-    calls: dict[tuple, int] = dataclasses.field(default_factory=lambda: defaultdict(int))
-    # module -> bytes its outgoing link and its stage-to-stage transfers moved
-    boundary: dict[str, int] = dataclasses.field(default_factory=lambda: defaultdict(int))
-
-    def compiled(self, ex, key: tuple, name: str):
-        """The program ``name`` of stage ``key`` compiled for its recorded arguments."""
-        fn = getattr(ex.programs[key], name)
-        return fn.lower(*self.args[(key, name)]).compile()
-
-
-def _plan_bytes(plan) -> int:
-    return plan.cross_island_bytes + plan.local_collective_bytes
-
-
-@contextlib.contextmanager
-def recording(ex) -> Iterator[Recording]:
-    """Wraps the executor's stage programs and transfers (this instance only) while
-    active: records each program's first arguments (abstract) and its calls, and the
-    bytes every link and stage transfer moves."""
-    from experiments.bench_executor import abstract
-    from hetjax.boundary import naive_device_put_bytes
-    from hetjax.ops.token_routing import Routed
-    from hetjax.runtime.programs import batch_sharding
-
-    rec = Recording()
-    saved = []
-
-    def patch(obj, attr, make):
-        saved.append((obj, attr, getattr(obj, attr)))
-        setattr(obj, attr, make(getattr(obj, attr)))
-
-    for key, prog in ex.programs.items():
-        for name in PROGRAMS:
-
-            def make(fn, key=key, name=name):
-                def shim(*args):
-                    rec.args.setdefault((key, name), abstract(args))
-                    rec.calls[(key, name)] += 1
-                    return fn(*args)
-
-                return shim
-
-            patch(prog, name, make)
-    for (src, _), link in ex.links.items():
-        for direction in ("forward", "backward"):
-
-            def make(fn, src=src, direction=direction, link=link):
-                def shim(x, route=None):
-                    # Routed tokens (into a cp > 1 LLM) take the by-position boundary:
-                    # packed per rank at the source, or split evenly then exchanged.
-                    a = x.tokens if isinstance(x, Routed) else x
-                    boundary, shape = link.boundary, a.shape
-                    if route is not None:
-                        boundary = link.routed_boundary
-                        if route.send is not None:
-                            b, cp, _, k2 = route.send.shape
-                            shape = (b, route.num_tokens, *a.shape[2:])
-                            # the all-to-all: every (holder, owner) block but one's own
-                            rec.boundary[src] += (
-                                b * cp * (cp - 1) * k2 * math.prod(a.shape[2:]) * a.dtype.itemsize
-                            )
-                        elif not isinstance(x, Routed):
-                            _, cp, k = route.index.shape
-                            shape = (a.shape[0], cp * k, *a.shape[2:])
-                    if boundary is not None:
-                        plan = boundary.plan(shape, a.dtype)
-                        plan = plan if direction == "forward" else plan.reverse()
-                        rec.boundary[src] += _plan_bytes(plan)
-                    return fn(x, route)
-
-                return shim
-
-            patch(link, direction, make)
-    for (module, _), st in ex.stage_links.items():
-        for direction, mesh in (("forward", st.dst_mesh), ("backward", st.src_mesh)):
-
-            def make(fn, module=module, mesh=mesh):
-                def shim(x):
-                    dst = batch_sharding(mesh, x.ndim, sequence=True)
-                    rec.boundary[module] += naive_device_put_bytes(
-                        x.sharding, dst, x.shape, x.dtype
-                    )
-                    return fn(x)
-
-                return shim
-
-            patch(st, direction, make)
-    try:
-        yield rec
-    finally:
-        for obj, attr, original in reversed(saved):
-            setattr(obj, attr, original)
-
-
-def module_rows(ex, rec: Recording) -> dict[str, dict[str, Any]]:
-    """Collective bytes, boundary bytes and peak bytes per module, from one recording."""
+def module_rows(ex, rec) -> dict[str, dict[str, Any]]:
+    """Collective bytes, boundary bytes and peak bytes per module, from a
+    :class:`hetjax.inspect.Recorder` that counted one step."""
     from hetjax.inspect import KINDS, bytes_by_kind, collectives, peak_bytes
 
     rows = {}
@@ -209,16 +109,16 @@ def module_rows(ex, rec: Recording) -> dict[str, dict[str, Any]]:
             if key[0] != spec.name:
                 continue
             for name in PROGRAMS:
-                if (key, name) not in rec.args:
+                compiled = rec.compiled.get((key, name))
+                if compiled is None:  # never called (the sink's last fwd)
                     continue
-                compiled = rec.compiled(ex, key, name)
                 per_run = bytes_by_kind(collectives(compiled.as_text(), prog.mesh.size))
                 for kind, b in per_run.items():
                     total[kind] += b * rec.calls[(key, name)] * prog.mesh.size
                 peak = max(peak, peak_bytes(compiled))
         rows[spec.name] = dict(
             collective_bytes=total,
-            boundary_bytes=int(rec.boundary.get(spec.name, 0)),
+            boundary_bytes=int(rec.moved_from(spec.name)),
             peak_bytes_per_device=peak,
             layout=str(spec.layout),
         )
@@ -228,7 +128,7 @@ def module_rows(ex, rec: Recording) -> dict[str, dict[str, Any]]:
 # -- one scenario ---------------------------------------------------------------------------
 
 
-def build(scenario: Scenario, mode: str, work: dict):
+def build(scenario: Scenario, mode: str, work: dict, observers=()):
     """The executor of ``scenario`` in ``mode`` (``colocated`` or ``homogeneous``)."""
     import hetjax
 
@@ -242,6 +142,7 @@ def build(scenario: Scenario, mode: str, work: dict):
         mode=mode,
         microbatches=scenario.microbatches,
         optimizer=hetjax.OptimizerConfig(total_steps=100, warmup_steps=0),
+        observers=observers,
     )
 
 
@@ -249,12 +150,14 @@ def run(scenario: Scenario, mode: str, work: dict, steps: int) -> list[dict]:
     """Rows of one (scenario, mode): one per module."""
     import jax
 
-    batches = work[scenario.preset][2]
-    from hetjax.inspect import Timer
+    from hetjax.inspect import Recorder, Timer
 
-    ex = build(scenario, "colocated" if mode == "heterogeneous" else "homogeneous", work)
-    with recording(ex) as rec:
-        jax.block_until_ready(ex.step(batches[0]))
+    batches = work[scenario.preset][2]
+    rec = Recorder()
+    placement = "colocated" if mode == "heterogeneous" else "homogeneous"
+    ex = build(scenario, placement, work, observers=[rec])
+    jax.block_until_ready(ex.step(batches[0]))
+    rec.pause()  # calls and bytes of the first step; its compiles are all there are
     timer = Timer()
     for s in range(1, steps):
         with timer:

@@ -14,16 +14,24 @@ in {2, 4, 8}. Layouts scale with ``--devices`` (a multiple of 4). The model is t
 rows of one layout share their programs: the run keeps a persistent compilation cache in
 a temporary directory, which turns later compiles of an identical program into loads.
 
+Everything is measured through the executor's public observer hooks: each row's
+executor is built with three observers (a :class:`hetjax.inspect.Recorder` and this
+file's :class:`AsyncTimer` and :class:`LiveSampler`), each listening during one step.
+
 How each figure is measured, and its limits:
 
 - ``step_time_s``: median wall time of steps 2..``--steps``, each waited for in full
-  (loss and updated parameters). Other processes on the machine show up in it.
+  (loss and updated parameters). Other processes on the machine show up in it, and so
+  do the attached observers: their hooks return at once outside their step, but the
+  executor still computes each call's argument signature for ``on_compile`` (about
+  20 us a call on this machine, under 1 % of a ``tiny`` step). The dispatch figures
+  below come from executors without observers.
 - ``compiles_after_step1`` / ``compiles_after_step5``: ``jax.monitoring`` backend-compile
   events (:class:`hetjax.inspect.CompileCounter`), cumulative from the start of the
   executor's construction. An executable loaded from the persistent cache counts too (the
   event wraps compile-or-load), so equal counts mean no program was rebuilt for steps 2-5.
-- ``dp_reductions_per_param_per_step``: every stage's ``bwd`` and ``reduce`` are lowered
-  with the argument shapes and shardings captured in step 1 and compiled. In the HLO an
+- ``dp_reductions_per_param_per_step``: every stage's ``bwd`` and ``reduce`` as the
+  executor compiled them in step 1 (``on_compile``, kept by the Recorder). In the HLO an
   all-reduce is a DP reduction when one of its replica groups spans devices with
   different ``(dp, ep)`` coordinates of the stage mesh (TP all-reduces of activations are
   not); its operands shaped like a parameter shard are reductions of that parameter,
@@ -33,22 +41,28 @@ How each figure is measured, and its limits:
   Limits: counts are static (an all-reduce inside a loop body counts once - but any DP
   parameter reduction in ``bwd`` already fails the check), and a reduction XLA flattened
   into a differently shaped buffer would be missed (it then shows as 0 and fails).
-- ``peak_activation_bytes_per_stage``: one step with ``fwd``/``bwd`` wrapped by a sampler
-  that reads ``jax.live_arrays()`` before each ``fwd``/``bwd`` and after each. The stage
-  inputs a ``bwd`` receives (``x`` and the microbatch data: the executor's stash) are
-  attributed to their schedule stage from their F (the ``fwd`` call that got them; on
-  the loss stage, whose F only stashes, the first sample holding the microbatch data the
-  executor places at F) to their B; the figure is the peak over samples of those arrays'
-  live bytes, summed over the stage's devices (replicas included). Samples are taken only
-  at program calls. The bound 1F1B <= (P - s) / M x GPipe is checked per stage against
+- ``peak_activation_bytes_per_stage``: one step with a sampler that reads
+  ``jax.live_arrays()`` after each ``fwd``/``bwd`` (``on_dispatch`` fires after the
+  call, while the event still holds its inputs; what a call saw before it is what the
+  previous call left plus the transfers and data placed since, so no separate "before"
+  sample is taken). The stage inputs a ``bwd`` receives (``x`` and the microbatch data:
+  the executor's stash) are attributed to their schedule stage from their F (the sample
+  after the ``fwd`` call that got them; on the loss stage, whose F only stashes, the
+  first sample holding the microbatch data the executor places at F) to their B (the
+  sample after it); the figure is the peak over samples of those arrays' live bytes,
+  summed over the stage's devices (replicas included). Samples are taken only at program
+  calls. The bound 1F1B <= (P - s) / M x GPipe is checked per stage against
   the GPipe row of the same layout and M, s being the stage's depth on the longest path
   and P that path's stage count. ``peak_live_bytes_per_stage`` is the broader figure:
   every array created during the step and live on the stage's devices except gradient
   accumulators (forward outputs, cotangents, transfer copies, microbatch data; colocated
   stages share devices, so it mixes their arrays). It is not held to the bound.
 - ``bubble_measured``: one unprofiled step with a watcher thread per stage that waits for
-  each F/B's inputs, then its output: the op runs from max(dispatch, inputs seen ready) to
-  output seen ready; per stage ``1 - busy / window``, the window from the first op's
+  each F/B's inputs, then its output: the op runs from max(dispatch, inputs seen ready,
+  end of every earlier F/B on devices it shares) to output seen ready. Dispatch is the
+  ``on_dispatch`` event's ``t0``, taken before the executor waits for in-flight programs
+  on shared devices (XLA:CPU), so the op starts no earlier than those ended, which is
+  when that wait returned. Per stage ``1 - busy / window``, the window from the first op's
   start to the last op's end (F/B only, as in the simulator). Eight simulated devices and
   the host share this machine's cores, so stages compete for CPU and the figure is
   informative, not a bar. ``bubble_measured_profiled``: ``ex.op_times`` of a
@@ -71,7 +85,6 @@ parameter is not DP-reduced exactly once per step, or 1F1B breaks the activation
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import gc
 import os
@@ -84,12 +97,11 @@ import threading
 import time
 import weakref
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-WRAPPED = ("fwd", "bwd", "zeros", "reduce")  # the StageProgram attributes the shims replace
 DISPATCH_STEPS = 10  # steps of the nano executor and the fused reference (first compiles)
 
 
@@ -132,55 +144,12 @@ def make_rows(n: int, quick: bool) -> list[Row]:
     return rows
 
 
-# -- program shims --------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def wrapped_programs(ex, make: Callable[[tuple, str, Callable], Callable]) -> Iterator[None]:
-    """Replaces ``fwd``/``bwd``/``zeros``/``reduce`` of every stage by ``make(key, name,
-    original)`` on the program objects of this process only; restores them on exit."""
-    originals = {(k, n): getattr(p, n) for k, p in ex.programs.items() for n in WRAPPED}
-    try:
-        for (key, name), fn in originals.items():
-            setattr(ex.programs[key], name, make(key, name, fn))
-        yield
-    finally:
-        for (key, name), fn in originals.items():
-            setattr(ex.programs[key], name, fn)
-
-
-def abstract(tree):
-    """Arrays -> ``ShapeDtypeStruct`` with their sharding (uncommitted: none)."""
-    import jax
-
-    def one(a):
-        if not isinstance(a, jax.Array):
-            return a
-        sharding = a.sharding if getattr(a, "committed", True) else None
-        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
-
-    return jax.tree.map(one, tree)
-
-
-def capture_args(ex) -> tuple[dict, Callable]:
-    """A shim factory recording each program's first arguments as abstract values."""
-    captured: dict[tuple, tuple] = {}
-
-    def make(key, name, fn):
-        def shim(*args):
-            captured.setdefault((key, name), (fn, abstract(args)))
-            return fn(*args)
-
-        return shim
-
-    return captured, make
-
-
 # -- DP reductions from the compiled HLO -----------------------------------------------------
 
 
-def dp_reductions(ex, captured: dict) -> list[float]:
-    """DP reductions per step of every parameter (of stages with ``dp > 1``)."""
+def dp_reductions(ex, rec) -> list[float]:
+    """DP reductions per step of every parameter (of stages with ``dp > 1``), from the
+    programs a :class:`hetjax.inspect.Recorder` saw compiled."""
     from hetjax.inspect import dp_all_reduce_shapes
 
     runs = {"bwd": ex.microbatches, "reduce": 1}
@@ -192,8 +161,7 @@ def dp_reductions(ex, captured: dict) -> list[float]:
         params = Counter(tuple(a.sharding.shard_shape(a.shape)) for a in leaves)
         reduced: Counter = Counter()
         for name, times in runs.items():
-            fn, args = captured[(key, name)]
-            hlo = fn.lower(*args).compile().as_text()
+            hlo = rec.compiled[(key, name)].as_text()
             for shape, n in dp_all_reduce_shapes(hlo, prog.mesh).items():
                 reduced[shape] += n * times
         for shape, n in params.items():
@@ -211,7 +179,8 @@ def _leaves(tree) -> list:
 
 
 class LiveSampler:
-    """Samples ``jax.live_arrays()`` during one step; attributes the stash to stages.
+    """An observer sampling ``jax.live_arrays()`` after every ``fwd``/``bwd`` of one step
+    (from :meth:`start` to :meth:`stop`); attributes the stash to stages.
 
     Arrays get serial numbers (an ``id`` may be reused once an array is freed, a weak
     reference tells the two apart). A stage input counts as stashed from its F to its B:
@@ -219,17 +188,24 @@ class LiveSampler:
     from the first sample where the microbatch data the executor places at F is live.
     """
 
-    def __init__(self, stage_of: Callable[[tuple], int]):
-        self.stage_of = stage_of
+    def __init__(self) -> None:
+        self.stage_of: Callable[[tuple], int] | None = None  # set by start()
         self._refs: dict[int, tuple[weakref.ref, int]] = {}
         self.bytes: dict[int, dict] = {}  # serial -> {device: bytes}
         self.first_seen: dict[int, int] = {}  # serial -> first sample holding it
-        self.fwd_at: dict[int, int] = {}  # serial of a fwd input -> sample at that call
+        self.fwd_at: dict[int, int] = {}  # serial of a fwd input -> sample after that call
         self.samples: list[set[int]] = []
         self.stashed: list[tuple[int, set[int], int, int]] = []  # (stage, serials, from, to)
+        self.skip: set[int] = set()  # arrays older than the step, then accumulators
+
+    def start(self, stage_of: Callable[[tuple], int]) -> None:
         from hetjax.inspect import live_arrays
 
-        self.skip = {self._serial(a) for a in live_arrays()}  # old arrays, then accumulators
+        self.stage_of = stage_of
+        self.skip = {self._serial(a) for a in live_arrays()}
+
+    def stop(self) -> None:
+        self.stage_of = None
 
     def _serial(self, a) -> int:
         from hetjax.inspect import array_bytes_per_device
@@ -251,28 +227,23 @@ class LiveSampler:
         self.samples.append(now)
         return len(self.samples) - 1
 
-    def make(self, key, name, fn):
-        def shim(*args):
-            if name == "fwd":  # (params, x, batch)
-                i = self.sample()
-                for a in _leaves(args[1]):
-                    self.fwd_at.setdefault(self._serial(a), i)
-            elif name == "bwd":  # (params, acc, x, batch, g_out, normalizer)
-                i = self.sample()
-                xs = {self._serial(a) for a in _leaves(args[2])}
-                data = {self._serial(a) for a in _leaves(args[3])}
-                starts = [self.fwd_at[k] for k in xs if k in self.fwd_at]
-                start = min(starts or [self.first_seen[k] for k in (data or xs)] or [i])
-                self.stashed.append((self.stage_of(key), xs | data, start, i))
-            out = fn(*args)
-            if name in ("zeros", "bwd"):
-                acc = out if name == "zeros" else out[0]
-                self.skip.update(self._serial(a) for a in _leaves(acc))
-            if name in ("fwd", "bwd"):
-                self.sample()
-            return out
-
-        return shim
+    def on_dispatch(self, event) -> None:
+        if self.stage_of is None:
+            return
+        name, args, out = event.program, event.inputs, event.outputs
+        if name in ("zeros", "bwd"):  # bwd -> (acc, gx, loss)
+            self.skip.update(self._serial(a) for a in _leaves(out if name == "zeros" else out[0]))
+        if name == "fwd":  # (params, x, batch)
+            i = self.sample()
+            for a in _leaves(args[1]):
+                self.fwd_at.setdefault(self._serial(a), i)
+        elif name == "bwd":  # (params, acc, x, batch, g_out, normalizer)
+            i = self.sample()  # the event holds the inputs: x and the data are live
+            xs = {self._serial(a) for a in _leaves(args[2])}
+            data = {self._serial(a) for a in _leaves(args[3])}
+            starts = [self.fwd_at[k] for k in xs if k in self.fwd_at]
+            start = min(starts or [self.first_seen.get(k, i) for k in (data or xs)] or [i])
+            self.stashed.append((self.stage_of(event.stage), xs | data, start, i))
 
     def stash_peaks(self, num_stages: int) -> list[int]:
         peaks = [0] * num_stages
@@ -301,12 +272,16 @@ class LiveSampler:
 
 
 class AsyncTimer:
-    """Per-stage watcher threads timing each F/B of an unprofiled step."""
+    """An observer with per-stage watcher threads timing each F/B of one unprofiled step
+    (from :meth:`start` to :meth:`bubble`)."""
 
-    def __init__(self, stage_of: Callable[[tuple], int], num_stages: int):
-        self.stage_of = stage_of
+    def __init__(self) -> None:
+        self.stage_of: Callable[[tuple], int] | None = None  # set by start()
+        self.ops: list[tuple] = []  # (stage key, dispatched, [ready, end]) in dispatch order
+
+    def start(self, stage_of: Callable[[tuple], int], num_stages: int) -> None:
+        self.stage_of, self.num_stages = stage_of, num_stages
         self.queues = [queue.Queue() for _ in range(num_stages)]
-        self.spans: list[list[tuple[float, float]]] = [[] for _ in range(num_stages)]
         self.threads = [
             threading.Thread(target=self._watch, args=(s,), daemon=True) for s in range(num_stages)
         ]
@@ -317,35 +292,42 @@ class AsyncTimer:
         import jax
 
         while (item := self.queues[stage].get()) is not None:
-            dispatched, inputs, output = item
+            times, inputs, output = item
             jax.block_until_ready(inputs)
-            ready = time.perf_counter()
+            times.append(time.perf_counter())
             jax.block_until_ready(output)
-            self.spans[stage].append((max(dispatched, ready), time.perf_counter()))
+            times.append(time.perf_counter())
 
-    def make(self, key, name, fn):
-        if name not in ("fwd", "bwd"):
-            return fn
+    def on_dispatch(self, event) -> None:
+        if self.stage_of is None or event.program not in ("fwd", "bwd"):
+            return
+        args, out = event.inputs, event.outputs
+        # bwd: (params, acc, x, batch, g_out, normalizer) -> (acc, gx, loss); the
+        # accumulator is donated by the next bwd, so wait on the loss (same program).
+        inputs, output = (args[1:3], out) if event.program == "fwd" else (args[2:5], out[2])
+        times: list[float] = []
+        self.ops.append((event.stage, event.t0, times))
+        self.queues[self.stage_of(event.stage)].put((times, inputs, output))
 
-        def shim(*args):
-            t0 = time.perf_counter()
-            out = fn(*args)
-            # bwd: (params, acc, x, batch, g_out, normalizer) -> (acc, gx, loss); the
-            # accumulator is donated by the next bwd, so wait on the loss (same program).
-            inputs, output = (args[1:3], out) if name == "fwd" else (args[2:5], out[2])
-            self.queues[self.stage_of(key)].put((t0, inputs, output))
-            return out
-
-        return shim
-
-    def bubble(self) -> list[float]:
+    def bubble(self, devices_of: dict[tuple, frozenset]) -> list[float]:
+        """Per stage ``1 - busy / window``; ``devices_of``: each stage key's devices."""
         for q in self.queues:
             q.put(None)
         for t in self.threads:
             t.join()
-        spans = [s for row in self.spans for s in row]
-        window = max(e for _, e in spans) - min(s for s, _ in spans)
-        return [1.0 - sum(e - s for s, e in row) / window for row in self.spans]
+        self.stage_of, stage_of = None, self.stage_of
+        spans: list[list[tuple[float, float]]] = [[] for _ in range(self.num_stages)]
+        ends: list[tuple[frozenset, float]] = []  # earlier ops: devices, end
+        for key, dispatched, (ready, end) in self.ops:
+            devices = devices_of[key]
+            # The hook's t0 precedes the executor's wait for in-flight programs on shared
+            # devices (XLA:CPU), so the op also starts no earlier than when they ended.
+            free = max((e for d, e in ends if d & devices), default=dispatched)
+            spans[stage_of(key)].append((max(dispatched, ready, free), end))
+            ends.append((devices, end))
+        flat = [s for row in spans for s in row]
+        window = max(e for _, e in flat) - min(s for s, _ in flat)
+        return [1.0 - sum(e - s for s, e in row) / window for row in spans]
 
 
 # -- one row --------------------------------------------------------------------------------
@@ -407,7 +389,7 @@ def make_workload(name: str, *, seq_len: int | None, microbatch_size: int) -> Wo
     return Workload(model, model.init(jax.random.key(0)), data, microbatch_size)
 
 
-def build_executor(row: Row, work: Workload, devices: list, steps: int):
+def build_executor(row: Row, work: Workload, devices: list, steps: int, observers=()):
     import hetjax
 
     layouts = {k: hetjax.Layout.parse(v) for k, v in row.layouts.items()}
@@ -424,6 +406,7 @@ def build_executor(row: Row, work: Workload, devices: list, steps: int):
         microbatches=row.microbatches,
         schedule=row.schedule,
         optimizer=hetjax.OptimizerConfig(total_steps=steps),
+        observers=observers,
     )
 
 
@@ -445,12 +428,13 @@ def timed_steps(trainer, batches: list[dict]) -> tuple[list[float], list[float]]
 def run_row(row: Row, work: Workload, light: Workload, devices: list, counter, config) -> dict:
     """Builds the executor of ``row`` on ``work``, measures it, returns one JSON row;
     the dispatch overhead is measured on ``light`` (the same workload, or a nano one)."""
-    from hetjax.inspect import Timer
+    from hetjax.inspect import Recorder, Timer
 
     m, steps = row.microbatches, config.steps
     batches = work.batches(m, steps + 3)
     start = counter.count
-    ex = build_executor(row, work, devices, steps + 3)
+    rec, timer, sampler = Recorder(), AsyncTimer(), LiveSampler()
+    ex = build_executor(row, work, devices, steps + 3, observers=[rec, timer, sampler])
     stage_ids = dict(ex.stage_ids)  # homogeneous: encoders run inside the sink's stage 0
     fused_into = stage_ids[(ex.graph.sink, 0)]
 
@@ -458,9 +442,8 @@ def run_row(row: Row, work: Workload, light: Workload, devices: list, counter, c
         return stage_ids.get(key, fused_into)
 
     num_stages = len(ex.schedule.stages)
-    captured, make = capture_args(ex)
-    with wrapped_programs(ex, make):
-        _wait(ex.step(batches[0]), ex)
+    _wait(ex.step(batches[0]), ex)
+    rec.pause()  # its compiled programs are all we need; it counts nothing more
     compiles = [counter.count - start]
     steps_timer = Timer()
     for i in range(1, steps):
@@ -478,26 +461,25 @@ def run_row(row: Row, work: Workload, light: Workload, devices: list, counter, c
         busy[stage_of(key)] += sum(ts)
     timeline = ex.timeline()
 
-    timer = AsyncTimer(stage_of, num_stages)
     switch = sys.getswitchinterval()
     sys.setswitchinterval(1e-4)  # watchers see completions within ~0.1 ms, not ~5 ms
     try:
-        with wrapped_programs(ex, timer.make):
-            _wait(ex.step(batches[steps + 1]), ex)
+        timer.start(stage_of, num_stages)
+        _wait(ex.step(batches[steps + 1]), ex)
     finally:
         sys.setswitchinterval(switch)
-    bubble_async = timer.bubble()
+    bubble_async = timer.bubble({k: p.devices for k, p in ex.programs.items()})
 
-    sampler = LiveSampler(stage_of)
-    with wrapped_programs(ex, sampler.make):
-        _wait(ex.step(batches[steps + 2]), ex)
+    sampler.start(stage_of)
+    _wait(ex.step(batches[steps + 2]), ex)
+    sampler.stop()
     stage_devices = [set() for _ in range(num_stages)]
     for key, prog in ex.programs.items():
         stage_devices[stage_of(key)].update(prog.mesh.devices.flat)
     act_peaks = sampler.stash_peaks(num_stages)
     live_peaks = sampler.live_peaks(stage_devices)
 
-    dp = dp_reductions(ex, captured)
+    dp = dp_reductions(ex, rec)
     depths, depth_total = _stage_depths(ex)
     step_time = steps_timer.median
     if config.png_dir:
@@ -525,7 +507,7 @@ def run_row(row: Row, work: Workload, light: Workload, devices: list, counter, c
         peak_live_bytes_per_stage=live_peaks,
         bubble_measured_profiled=[1.0 - b / wall for b in busy],
     )
-    del ex, timer, captured, sampler
+    del ex, rec, timer, sampler
     gc.collect()
     light_ex = build_executor(row, light, devices, DISPATCH_STEPS)
     host, total = timed_steps(light_ex, light.batches(m, DISPATCH_STEPS))

@@ -1,7 +1,8 @@
 """Distributed properties of the executor, beyond the values it computes.
 
-- nothing compiles again after the first step (compile events during each stage
-  program's calls, and JAX's compile log);
+- nothing compiles again after the first step (``jax.monitoring`` compile events
+  during each stage program's call and anywhere, ``on_compile`` reports, and JAX's
+  compile log);
 - one data-parallel reduction per parameter per step: the per-microbatch backward
   programs of a ``dp > 1, tp = 1`` stage contain no collective on a parameter-sized
   array, and the once-per-step ``reduce`` all-reduces exactly the stage's parameters;
@@ -23,6 +24,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -32,7 +34,13 @@ import pytest
 
 import hetjax
 from hetjax import Layout
-from hetjax.inspect import Collective, CompileCounter, collectives
+from hetjax.inspect import (
+    BACKEND_COMPILE_EVENT,
+    Collective,
+    CompileCounter,
+    Recorder,
+    collectives,
+)
 from models.config import get_preset
 from models.data import DataConfig, SyntheticLlava
 from models.mllm import MLLM
@@ -70,17 +78,6 @@ def executor(tiny, lays, **kw) -> hetjax.Executor:
     )
 
 
-def abstract(tree):
-    """Shapes, dtypes and (committed) shardings of a call's arguments, for ``.lower``."""
-
-    def one(a):
-        if not isinstance(a, jax.Array):
-            return a
-        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding if a.committed else None)
-
-    return jax.tree.map(one, tree)
-
-
 class CompileLog(logging.Handler):
     def __init__(self):
         super().__init__(logging.DEBUG)
@@ -92,68 +89,71 @@ class CompileLog(logging.Handler):
             self.compiled.append(msg[:200])
 
 
+class CompileEvents:
+    """Observer: the ``jax.monitoring`` backend compiles during each program call (an
+    event inside a call's ``t0``..``t1``; compiles of transfers fall between calls)."""
+
+    def __init__(self):
+        self.at: list[float] = []  # perf_counter of each backend compile
+        self.per_call: Counter = Counter()  # (stage key, program name) -> compiles so far
+
+    def listen(self, event: str, duration: float, **kwargs) -> None:
+        if event == BACKEND_COMPILE_EVENT:
+            self.at.append(time.perf_counter())
+
+    def on_dispatch(self, event) -> None:
+        if self.at:
+            self.per_call[(event.stage, event.program)] += sum(
+                event.t0 <= t <= event.t1 for t in self.at
+            )
+            self.at = [t for t in self.at if t > event.t1]
+
+
 @dataclasses.dataclass
 class Run:
     ex: hetjax.Executor
-    jitted: dict  # (stage key, program name) -> the StageProgram's own jitted function
-    calls: Counter  # (stage key, program name) -> calls over all steps
-    args: dict  # (stage key, program name) -> abstract arguments of its first call
-    compiles: Counter  # (stage key, program name) -> compiles during its calls, so far
+    rec: Recorder  # argument signatures compiled (on_compile) and calls, per program
+    events: CompileEvents
     losses: np.ndarray
-    compiled_after_1: dict  # compiled(compiles, jitted) after step 1
+    compiled_after_1: dict  # compiled(ex, events) after step 1
     compiled_after_3: dict
-    compiles_in_steps_2_3: list[str]
+    compiles_in_steps_2_3: int  # backend compiles of anything
+    logged_in_steps_2_3: list[str]  # JAX's compile log
 
 
-def compiled(compiles: Counter, jitted: dict) -> dict:
-    """Compiles so far of every stage program, called or not."""
-    return {call_id: compiles[call_id] for call_id in jitted}
+def compiled(ex: hetjax.Executor, events: CompileEvents) -> dict:
+    """Backend compiles so far during the calls of every stage program, called or not."""
+    return {(k, n): events.per_call[(k, n)] for k in ex.programs for n in PROGRAMS}
 
 
 @pytest.fixture(scope="module")
 def run(tiny):
-    """The shared colocated run: three steps, with counters of calls and compiles on
-    every stage program (a program compiles on its first call with new arguments)."""
+    """The shared colocated run: three steps, watched by two observers (compiles and calls
+    of every stage program; a program compiles on its first call with new arguments)."""
     _, _, batches = tiny
-    ex = executor(tiny, SHARED_LAYOUTS, mode="colocated")
-    jitted = {(k, n): getattr(p, n) for k, p in ex.programs.items() for n in PROGRAMS}
-    calls, args, compiles = Counter(), {}, Counter()
-    counter = CompileCounter().start()
-
-    def counted(fn, call_id):
-        def call(*a):
-            calls[call_id] += 1
-            args.setdefault(call_id, abstract(a))  # before the call donates its buffers
-            before = counter.count
-            out = fn(*a)
-            compiles[call_id] += counter.count - before
-            return out
-
-        return call
-
-    for call_id, fn in jitted.items():
-        setattr(ex.programs[call_id[0]], call_id[1], counted(fn, call_id))
+    rec, events = Recorder(), CompileEvents()
+    jax.monitoring.register_event_duration_secs_listener(events.listen)
+    ex = executor(tiny, SHARED_LAYOUTS, mode="colocated", observers=[rec, events])
     losses = [jax.device_get(ex.step(batches[0])["loss"])]
-    after_1 = compiled(compiles, jitted)
+    after_1 = compiled(ex, events)
     log, jax_logger = CompileLog(), logging.getLogger("jax")
     jax_logger.addHandler(log)
     try:
-        with jax.log_compiles(True):
+        with jax.log_compiles(True), CompileCounter() as counter:
             losses += [jax.device_get(ex.step(b)["loss"]) for b in batches[1:]]
     finally:
         jax_logger.removeHandler(log)
     yield Run(
         ex,
-        jitted,
-        calls,
-        args,
-        compiles,
+        rec,
+        events,
         np.asarray(losses),
         after_1,
-        compiled(compiles, jitted),
+        compiled(ex, events),
+        counter.count,
         log.compiled,
     )
-    counter.stop()
+    jax.monitoring.unregister_event_duration_listener(events.listen)
 
 
 # -- (a) compilation ------------------------------------------------------------------
@@ -167,8 +167,11 @@ def test_no_recompilation_after_first_step(run):
     for (key, name), count in run.compiled_after_1.items():
         expected = 0 if (key, name) == (sink_last, "fwd") else 1
         assert count == expected, (key, name, count)
+        # ... for one argument signature, the one the observers were shown
+        assert run.rec.compiles[(key, name)] == expected, (key, name)
     # Nothing else either: no transfer, reshard or scalar op compiled in steps 2-3.
-    assert run.compiles_in_steps_2_3 == []
+    assert run.compiles_in_steps_2_3 == 0
+    assert run.logged_in_steps_2_3 == []
     assert np.all(np.isfinite(run.losses)) and len(set(run.losses.tolist())) == STEPS
 
 
@@ -187,13 +190,13 @@ def compiled_collectives(run: Run, key, name: str) -> list[tuple[str, list[int]]
 
 
 def compiled_text(run: Run, key, name: str) -> str:
-    return run.jitted[(key, name)].lower(*run.args[(key, name)]).compile().as_text()
+    return run.rec.compiled[(key, name)].as_text()
 
 
 def test_backward_and_reduce_are_called_per_microbatch_and_per_step(run):
     for key in run.ex.programs:
-        assert run.calls[(key, "bwd")] == STEPS * MICROBATCHES, key
-        assert run.calls[(key, "reduce")] == STEPS, key
+        assert run.rec.calls[(key, "bwd")] == STEPS * MICROBATCHES, key
+        assert run.rec.calls[(key, "reduce")] == STEPS, key
 
 
 @pytest.mark.parametrize("key", [("vision", 0), ("llm", 0), ("llm", 1)], ids=str)
@@ -305,7 +308,7 @@ def test_profiled_step_draws_timeline(run, tiny, tmp_path):
     _, _, batches = tiny
     metrics = run.ex.step(batches[0], profile=True)
     assert np.isfinite(jax.device_get(metrics["loss"]))
-    assert compiled(run.compiles, run.jitted) == run.compiled_after_1  # profiling: none
+    assert compiled(run.ex, run.events) == run.compiled_after_1  # profiling: none
     for kind, key in [("F", ("vision", 0)), ("F", ("llm", 0)), ("B", ("llm", 1))]:
         assert len(run.ex.op_times[(kind, key)]) == MICROBATCHES
     timeline = run.ex.timeline()

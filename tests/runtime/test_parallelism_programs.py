@@ -1,9 +1,10 @@
 """What the compiled stage programs communicate under TP, CP, ZeRO-1 and sequence parallelism.
 
 Values are checked by ``test_parallelism_parity.py``; this file checks the collectives
-and memory the paper's argument rests on, from ``jit.lower(args).compile()`` of every
-stage program with the arguments captured during one real step (the compile is a cache
-hit), parsed by :mod:`hetjax.inspect` (loop trip counts included):
+and memory the paper's argument rests on, from the compiled program of every stage as
+the executor reports it during one real step (``on_compile``, kept by a
+:class:`hetjax.inspect.Recorder`), parsed by :mod:`hetjax.inspect` (loop trip counts
+included):
 
 (a) an encoder with its own ``dp=8`` layout runs forward and backward without any
     collective, while the homogeneous baseline's encoder, inheriting the LLM's ``tp=4``,
@@ -42,11 +43,11 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import hetjax
-from experiments.bench_comm import recording
 from hetjax import Layout
-from hetjax.inspect import Collective, collectives, varied_axes
+from hetjax.inspect import Collective, Recorder, collectives, varied_axes
 from hetjax.ops.ring_attention import zigzag_permutation
 from hetjax.ops.token_routing import Routed, owner_rank
+from hetjax.runtime.feed import Feed
 from models import tokenizer
 from models.config import get_preset
 from models.data import DataConfig, SyntheticLlava
@@ -71,10 +72,10 @@ RUNS = {
 @dataclasses.dataclass
 class Run:
     ex: hetjax.Executor
-    rec: object  # experiments.bench_comm.Recording of the first step
+    rec: Recorder  # attached at construction; one step was run
 
     def hlo(self, module: str, program: str, stage: int = 0) -> str:
-        return self.rec.compiled(self.ex, (module, stage), program).as_text()
+        return self.rec.compiled[((module, stage), program)].as_text()
 
     def collectives(self, module: str, program: str, stage: int = 0) -> list[Collective]:
         mesh = self.ex.programs[(module, stage)].mesh
@@ -91,7 +92,9 @@ def tiny():
     return model, model.init(jax.random.key(0)), data.batch(0, GLOBAL_BATCH)
 
 
-def make_executor(tiny, mode: str, llm: str, options=(), *, vision: str = "dp=8", islands=None):
+def make_executor(
+    tiny, mode: str, llm: str, options=(), *, vision: str = "dp=8", islands=None, observers=()
+):
     model, params, _ = tiny
     layouts = {"vision": Layout.parse(vision), "llm": Layout.parse(llm)}
     return hetjax.Executor(
@@ -102,6 +105,7 @@ def make_executor(tiny, mode: str, llm: str, options=(), *, vision: str = "dp=8"
         islands=islands,
         optimizer=OPTIMIZER,
         options=hetjax.ParallelOptions(**{o: True for o in options}),
+        observers=observers,
     )
 
 
@@ -113,9 +117,9 @@ def runs(tiny):
     def get(name: str) -> Run:
         if name not in cache:
             mode, llm, options = RUNS[name]
-            ex = make_executor(tiny, mode, llm, options)
-            with recording(ex) as rec:
-                jax.block_until_ready(ex.step(tiny[2]))
+            rec = Recorder()
+            ex = make_executor(tiny, mode, llm, options, observers=[rec])
+            jax.block_until_ready(ex.step(tiny[2]))
             cache[name] = Run(ex, rec)
         return cache[name]
 
@@ -268,6 +272,13 @@ def check_each_rank_got_its_own_positions(got, y, tokens_BxL, mesh) -> int:
     return k
 
 
+def first_route(ex: hetjax.Executor, batch, pair: tuple[str, str]):
+    """The token route the executor's feed builds for microbatch 0 of ``batch``."""
+    cp = {m.name: m.layout.cp for m in ex.graph.modules}
+    feed = Feed(batch, ex.microbatches, routed=ex.plan.routed, links=ex.links, cp=cp)
+    return feed.route(pair, 0, N)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("name", "k"), [("het_cp4", 8), ("het_cp2", N)])
 def test_boundary_into_cp_llm_moves_only_each_ranks_own_positions(runs, tiny, name, k):
@@ -283,7 +294,7 @@ def test_boundary_into_cp_llm_moves_only_each_ranks_own_positions(runs, tiny, na
     assert (needed.sum(1) == N).all()
 
     y = marked_tokens(ex.programs[("vision", 0)].mesh)
-    route = ex._route({}, batch, pair, 0, N)
+    route = first_route(ex, batch, pair)
     assert route.index is not None and route.send is None  # colocated: gather at source
     got = ex.links[pair].forward(y, route)
     assert check_each_rank_got_its_own_positions(got, y, batch["tokens"], mesh) == k
@@ -304,7 +315,7 @@ def test_routing_refuses_a_sample_with_more_placeholders_than_tokens(runs, tiny)
     bad = dict(batch, tokens=batch["tokens"].copy())
     bad["tokens"][3, -1] = tokenizer.PLACEHOLDERS["image"]  # N + 1 image slots in sample 3
     with pytest.raises(ValueError) as excinfo:
-        ex._route({}, bad, ("vision", "llm"), 0, N)
+        first_route(ex, bad, ("vision", "llm"))
     message = str(excinfo.value)
     assert "\n" not in message
     assert message.startswith(f"sample 3 has {N + 1} placeholders but the encoder gives {N}")
@@ -321,7 +332,7 @@ def test_boundary_across_islands_crosses_once_then_exchanges(tiny):
     ex = make_executor(tiny, "non-colocated", "cp=4", vision="dp=4", islands=islands)
     pair, mesh = ("vision", "llm"), ex.programs[("llm", 0)].mesh
     link = ex.links[pair]
-    route = ex._route({}, batch, pair, 0, N)
+    route = first_route(ex, batch, pair)
     assert route.send is not None and route.index is None
     y = marked_tokens(ex.programs[("vision", 0)].mesh)
     got = link.forward(y, route)
@@ -365,7 +376,7 @@ def test_zero1_keeps_one_dp_th_of_the_optimizer_state_per_device(runs):
         assert before / after >= 0.9 * dp, (key, before, after, dp)
         # The compiled update holds the same state: its arguments shrink accordingly.
         mem = {
-            name: run.rec.compiled(run.ex, key, "update").memory_analysis()
+            name: run.rec.compiled[(key, "update")].memory_analysis()
             for name, run in (("off", off), ("on", on))
         }
         assert mem["on"].argument_size_in_bytes < mem["off"].argument_size_in_bytes / 1.5, key
@@ -377,16 +388,14 @@ def test_zero1_reduce_scatters_the_gradients_over_dp(runs):
     for key in (("vision", 0), ("llm", 0)):
         mesh = on.ex.programs[key].mesh
         dp = mesh.shape["dp"] * mesh.shape["ep"]
-        hlo = {
-            n: r.rec.compiled(r.ex, key, "reduce").as_text() for n, r in (("off", off), ("on", on))
-        }
+        hlo = {n: r.rec.compiled[(key, "reduce")].as_text() for n, r in (("off", off), ("on", on))}
         kinds = {n: {c.kind for c in collectives(t, mesh.size)} for n, t in hlo.items()}
         assert "reduce-scatter" not in kinds["off"]
         if "reduce-scatter" not in kinds["on"]:  # XLA:CPU: all-reduce + dynamic-slice
             assert " dynamic-slice(" in hlo["on"] and " dynamic-slice(" not in hlo["off"], key
         # Either way each device keeps 1/dp of the reduced gradients.
         out = {
-            n: r.rec.compiled(r.ex, key, "reduce").memory_analysis().output_size_in_bytes
+            n: r.rec.compiled[(key, "reduce")].memory_analysis().output_size_in_bytes
             for n, r in (("off", off), ("on", on))
         }
         assert out["off"] / out["on"] >= 0.9 * dp, (key, out)

@@ -1,0 +1,72 @@
+"""A :class:`Recorder`: the executor observer that benchmarks and tests read a run from.
+
+It keeps what the executor's public hooks report - each stage program's compiled
+executable (HLO text, ``memory_analysis()``), how often every program was called, and
+the bytes every stage edge moved - instead of wrapping the executor's programs and
+transfers. Pass it at construction (``hetjax.Executor(..., observers=[recorder])``).
+
+The executor calls whichever hooks an observer has, so this class needs no base class
+from :mod:`hetjax.runtime` (which :mod:`hetjax.inspect` must not import): the events are
+read by attribute (``stage``, ``program``; ``op.kind``, ``src``, ``dst``, ``nbytes``).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+StageKey = tuple[str, int]  # (module, pipeline stage)
+ProgramKey = tuple[StageKey, str]  # (stage, program kind: fwd, bwd, zeros, reduce, update)
+
+
+class Recorder:
+    """Records compiles, program calls and transfer bytes of an executor.
+
+    Compiles are recorded always (each signature compiles once); calls and transfers only
+    while recording, so a benchmark can count one step and leave the rest out
+    (:meth:`pause`). Attach it when the executor is built.
+
+    Example:
+        >>> rec = Recorder()  # doctest: +SKIP
+        >>> ex = hetjax.Executor(graph, params, devices=devices, observers=[rec])
+        >>> ex.step(batch)
+        >>> rec.pause()
+        >>> rec.compiled[(("llm", 0), "bwd")].as_text()  # the HLO of its first call
+    """
+
+    def __init__(self) -> None:
+        self.compiled: dict[ProgramKey, Any] = {}  # the first ``jax.stages.Compiled``
+        self.compiles: Counter[ProgramKey] = Counter()  # argument signatures compiled
+        self.calls: Counter[ProgramKey] = Counter()  # calls while recording
+        # (from stage, to stage) in the forward direction -> bytes moved while recording,
+        # activations and their gradients together
+        self.moved: Counter[tuple[StageKey, StageKey]] = Counter()
+        self.recording = True
+
+    def pause(self) -> None:
+        """Stops counting calls and transfers (compiles are still recorded)."""
+        self.recording = False
+
+    def resume(self) -> None:
+        """Counts calls and transfers again."""
+        self.recording = True
+
+    def moved_from(self, module: str) -> int:
+        """Bytes moved along the edges leaving ``module``'s stages: its outgoing links and
+        its own stage-to-stage copies, forward and backward."""
+        return sum(n for (src, _), n in self.moved.items() if src[0] == module)
+
+    def on_compile(self, stage: StageKey, kind: str, compiled: Any) -> None:
+        self.compiles[(stage, kind)] += 1
+        self.compiled.setdefault((stage, kind), compiled)
+
+    def on_dispatch(self, event: Any) -> None:
+        if self.recording:
+            self.calls[(event.stage, event.program)] += 1
+
+    def on_transfer(self, event: Any) -> None:
+        if self.recording:
+            # A gradient (SEND_B) goes back along the edge its activation came down.
+            backward = event.op.kind == "SEND_B"
+            edge = (event.dst, event.src) if backward else (event.src, event.dst)
+            self.moved[edge] += event.nbytes
