@@ -25,9 +25,9 @@ import pytest
 import hetjax
 from hetjax import Layout, LayoutError
 from hetjax.boundary import BoundaryError, EdgeSpec, Endpoint
+from hetjax.config import InvalidConfigError, module_layouts
 from hetjax.inspect import CompileCounter
 from hetjax.meshes import place_modules
-from hetjax.config import InvalidConfigError, module_layouts
 from hetjax.schedules import ScheduleError
 from models.config import get_preset
 from models.mllm import MLLM
