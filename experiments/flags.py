@@ -56,6 +56,8 @@ def _placement(mode: str) -> str:
 FLAGS: tuple[Flag, ...] = (
     Flag("--model", "model.preset", str, metavar="PRESET"),
     Flag("--steps", "steps", positive_int),
+    Flag("--stop-after", "stop_after", positive_int, metavar="N"),
+    Flag("--skip-nonfinite-steps", "skip_nonfinite_steps", non_negative_int, metavar="N"),
     Flag("--global-batch", "data.global_batch", positive_int),
     Flag("--microbatches", "parallel.microbatches", positive_int, core=("microbatches",)),
     Flag("--seq-len", "model.seq_len", positive_int),
@@ -85,6 +87,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--schedule", "parallel.schedule", core=("schedule",)),
     Flag("--offload-encoder", "parallel.offload_encoder", core=("offload_encoders",)),
     Flag("--timeline", "logging.timeline", str, metavar="PATH.png"),
+    Flag("--checkpoint-dir", "checkpoint.dir", str, metavar="DIR"),
+    Flag("--save-every", "checkpoint.save_every", positive_int, metavar="N"),
+    Flag("--keep", "checkpoint.keep", positive_int, metavar="K"),
     Flag("--reference", "parallel.reference"),
     Flag("--zero1", "parallel.zero1"),
     Flag("--sequence-parallel", "parallel.sequence_parallel"),

@@ -73,20 +73,37 @@ def main(config: TrainConfig) -> int:
     # The settings agree, so a bad one fails alike on every process (a normal exit).
     with errors_as_flags():
         run = _plan(config, devices)  # every check; no parameter exists yet
-        trainer = _trainer(config, run, devices)
-    hooks = _hooks(config, run, devices, info.num_processes if multi else 1) if lead else []
+        ckpt = _checkpointer(config)  # before training: the directory is usable
+        resume = ckpt is not None and ckpt.latest_step() is not None
+        trainer = _trainer(config, run, devices, init=not resume)
+        start = _resume(ckpt, trainer, lead) if resume else 0
+    end = config.stop_after or config.steps
+    hooks = _hooks(config, run, devices, info.num_processes if multi else 1, start) if lead else []
+    guard = hetjax.runtime.NonFiniteGuard(config.skip_nonfinite_steps, note=_kept(ckpt))
     logging = config.logging
 
     def step(i: int):
         # Every process builds the same global batch (seed, step); the trainer keeps
         # only this process's shards of it.
         batch = run.dataset.batch(i, config.data.global_batch)
-        if logging.timeline is not None and i == config.steps - 1:
-            return trainer.step(batch, profile=True)
-        return trainer.step(batch)
+        profile = logging.timeline is not None and i == end - 1
+        metrics = trainer.step(batch, profile=True) if profile else trainer.step(batch)
+        done = i + 1
+        every = config.checkpoint.save_every
+        if ckpt is not None and (done == end or (every and done % every == 0)):
+            # Never save a state that a non-finite step updated (skipped ones are kept).
+            if config.skip_nonfinite_steps or not hetjax.runtime.loop.nonfinite(metrics):
+                ckpt.save(done, trainer, metadata=_metadata(config, run, done))
+        return metrics
 
     tokens = config.data.global_batch * run.seq_len
-    hetjax.run_training(step, config.steps, tokens_per_step=tokens, hooks=hooks)
+    try:
+        hetjax.run_training(step, end, tokens_per_step=tokens, hooks=[*hooks, guard], start=start)
+    except hetjax.runtime.NonFiniteError as e:
+        raise ConfigError(str(e)) from None
+    finally:
+        if ckpt is not None:
+            ckpt.close()  # waits for the last writes
     if logging.timeline and lead:
         timeline = trainer.timeline()
         timeline.to_png(logging.timeline)
@@ -197,13 +214,19 @@ def _plan(config: TrainConfig, devices: Sequence[Any]) -> _Run:
     return _Run(model, dataset, seq_len, optimizer, plan, text)
 
 
-def _trainer(config: TrainConfig, run: _Run, devices: Sequence[Any]):
-    """The parameters (the run's first compiles) and the trainer that owns them."""
+def _trainer(config: TrainConfig, run: _Run, devices: Sequence[Any], *, init: bool = True):
+    """The parameters (the run's first compiles) and the trainer that owns them.
+
+    ``init=False``: a checkpoint will be restored, so the executor builds no parameters
+    (the reference trainer does, and they are overwritten)."""
     import jax
 
     import hetjax
 
-    params = run.model.init(jax.random.key(config.seed))
+    if run.plan is None or init:
+        params = run.model.init(jax.random.key(config.seed))
+    else:
+        params = None
     if run.plan is None:
         axes = {name: m.logical_axes() for name, m in run.model.modules.items()}
         return hetjax.ReferenceTrainer(
@@ -219,18 +242,69 @@ def _trainer(config: TrainConfig, run: _Run, devices: Sequence[Any]):
         params,
         devices=devices,
         optimizer=run.optimizer,
-        options=hetjax.ParallelOptions(zero1=p.zero1, sequence_parallel=p.sequence_parallel),
+        options=hetjax.ParallelOptions(
+            zero1=p.zero1,
+            sequence_parallel=p.sequence_parallel,
+            skip_nonfinite=config.skip_nonfinite_steps > 0,
+        ),
     )
 
 
-def _hooks(config: TrainConfig, run: _Run, devices: Sequence[Any], processes: int) -> list:
+def _checkpointer(config: TrainConfig):
+    """The run's checkpoint directory, checked before training (None: no checkpoints)."""
+    if not config.checkpoint.dir:
+        return None
+    from hetjax.checkpoint import Checkpointer
+
+    return Checkpointer(config.checkpoint.dir, keep=config.checkpoint.keep)
+
+
+def _resume(ckpt, trainer, lead: bool) -> int:
+    """Restores the latest checkpoint into ``trainer`` (any layout); returns its step."""
+    meta = ckpt.restore(trainer)
+    step = int(meta["step"])
+    if lead:
+        print(f"resumed from step {step} ({ckpt.path(step)})", flush=True)
+    return step
+
+
+def _kept(ckpt):
+    """For the non-finite error: where the last complete checkpoint is."""
+
+    def note() -> str:
+        if ckpt is None:
+            return ""
+        ckpt.wait()
+        last = ckpt.latest_step()
+        return "" if last is None else f"; the last checkpoint ({ckpt.path(last)}) is intact"
+
+    return note
+
+
+def _metadata(config: TrainConfig, run: _Run, step: int) -> dict[str, Any]:
+    """What a checkpoint records besides the arrays: enough to say what it is and to
+    continue the data stream (synthetic data is a function of seed and step)."""
+    import hetjax.config as hc
+
+    return {
+        "config": hc.to_dict(config),
+        "model": {"preset": run.model.config.name, "params": run.model.num_params()},
+        "data": {"kind": "synthetic", "seed": config.seed, "next_step": step},
+        "rng": {"init_seed": config.seed},
+        "layout": run.layout_text,
+    }
+
+
+def _hooks(
+    config: TrainConfig, run: _Run, devices: Sequence[Any], processes: int, start: int = 0
+) -> list:
     """Process 0's observers: metrics file, progress bar, run summary."""
     import hetjax
 
     hooks: list = []
     if config.logging.metrics:
-        hooks.append(hetjax.JsonlWriter(config.logging.metrics))
-    hooks.append(hetjax.ProgressBar(config.steps))
+        hooks.append(hetjax.JsonlWriter(config.logging.metrics, append=start > 0))
+    hooks.append(hetjax.ProgressBar(config.stop_after or config.steps))
     counts = run.model.num_params()
     over = f" over {processes} processes" if processes > 1 else ""
     params = ", ".join(f"{k} {v:,}" for k, v in counts.items())

@@ -109,9 +109,11 @@ class OptimizerConfig:
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
-    """Where the run's state is saved (not written yet: the checkpoint issue fills this)."""
+    """Where and how often the run's state is saved; a run resumes from the latest."""
 
-    dir: str | None = doc(None, "checkpoint directory (None: no checkpoints)")
+    dir: str | None = doc(None, "checkpoint directory: resume from its latest checkpoint")
+    save_every: int | None = doc(None, "save every N steps (None: only at the end)")
+    keep: int = doc(3, "the most recent complete checkpoints kept")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,7 +137,13 @@ class LoggingConfig:
 class TrainConfig:
     """Everything a training run depends on; ``--print-config`` writes it out."""
 
-    steps: int = doc(200, "optimiser steps")
+    steps: int = doc(200, "optimiser steps of the whole run (a resumed run counts from 0)")
+    stop_after: int | None = doc(
+        None, "end cleanly after this step (with a checkpoint); the schedule stays `steps`"
+    )
+    skip_nonfinite_steps: int = doc(
+        0, "skip updates whose loss or gradient is NaN/inf; stop after N in a row (0: stop)"
+    )
     seed: int = doc(0, "initialisation and data seed; same seed -> identical losses")
     model: ModelConfig = doc(ModelConfig(), "what is trained")
     data: DataConfig = doc(DataConfig(), "what each step reads")
@@ -153,6 +161,10 @@ class TrainConfig:
 # where the field's type allows it.
 _RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "steps": (lambda v: v >= 1, "a positive integer"),
+    "stop_after": (lambda v: v >= 1, "a positive integer"),
+    "skip_nonfinite_steps": (lambda v: v >= 0, "an integer >= 0"),
+    "checkpoint.save_every": (lambda v: v >= 1, "a positive integer"),
+    "checkpoint.keep": (lambda v: v >= 1, "a positive integer"),
     "seed": (lambda v: v >= 0, "a non-negative integer (it seeds numpy's generator)"),
     "model.seq_len": (lambda v: v >= 1, "a positive integer"),
     "data.global_batch": (lambda v: v >= 1, "a positive integer"),
@@ -187,6 +199,15 @@ def check(cfg: TrainConfig) -> None:
         rule = _RULES.get(path)
         if rule is not None and value is not None and not rule[0](value):
             raise InvalidConfigError(f"{path}={value!r} must be {rule[1]}")
+    if cfg.stop_after is not None and cfg.stop_after > cfg.steps:
+        raise InvalidConfigError(
+            f"stop_after={cfg.stop_after} is past the run's steps={cfg.steps}; give a step "
+            f"of the run (1..{cfg.steps})"
+        )
+    if cfg.checkpoint.save_every is not None and not cfg.checkpoint.dir:
+        raise InvalidConfigError(
+            "checkpoint.save_every needs checkpoint.dir; give the directory to save into"
+        )
     p = cfg.parallel
     if p.homogeneous and p.placement != "colocated":
         raise InvalidConfigError(

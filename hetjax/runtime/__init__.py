@@ -7,6 +7,8 @@ from .graph import ModuleSpec as ModuleSpec
 from .graph import TrainGraph as TrainGraph
 from .loop import Hook as Hook
 from .loop import JsonlWriter as JsonlWriter
+from .loop import NonFiniteError as NonFiniteError
+from .loop import NonFiniteGuard as NonFiniteGuard
 from .loop import ProgressBar as ProgressBar
 from .loop import Summary as Summary
 from .loop import run_training as run_training
@@ -39,6 +41,8 @@ __all__ = [
     "JsonlWriter",
     "Link",
     "ModuleSpec",
+    "NonFiniteError",
+    "NonFiniteGuard",
     "Observer",
     "Op",
     "OptimizerConfig",

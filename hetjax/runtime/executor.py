@@ -53,8 +53,9 @@ class Executor:
         plan: a :class:`RunPlan` from :func:`plan_run`, or a :class:`TrainGraph` (then
             planned here from ``mode``, ``islands``, ``microbatches``, ``schedule`` and
             ``offload_encoders``; see :func:`plan_run` for their meaning).
-        params: initial parameters keyed by part name (all parts of all modules); not
-            needed when ``state`` is given.
+        params: initial parameters keyed by part name (all parts of all modules). With
+            neither ``params`` nor ``state`` the executor has no state until one is
+            restored into it (:func:`hetjax.checkpoint.restore`).
         devices: all devices of the run, in canonical order.
         optimizer: any optax transformation (every stage runs it on its own parameters;
             put :func:`hetjax.clip_by_global_norm` in it for clipping by the norm over
@@ -120,9 +121,7 @@ class Executor:
             )
             for key in plan.stage_keys
         }
-        if state is None:
-            if params is None:
-                raise ValueError("Executor needs params= (full parameters) or state=")
+        if state is None and params is not None:
             placed = {k: p.place_params(params) for k, p in self.programs.items()}
             state = TrainState(
                 placed, {k: p.init_opt_state(placed[k]) for k, p in self.programs.items()}
@@ -159,6 +158,12 @@ class Executor:
         """Per-stage optimizer states."""
         return self.state.opt_state
 
+    def abstract_state(self) -> tuple[dict[StageKey, Any], dict[StageKey, Any]]:
+        """Per-stage parameters and optimizer states as ``ShapeDtypeStruct`` s with their
+        shardings; needs no state (what a restore reads into)."""
+        pairs = {k: p.abstract_state() for k, p in self.programs.items()}
+        return {k: v[0] for k, v in pairs.items()}, {k: v[1] for k, v in pairs.items()}
+
     def full_params(self) -> dict[str, Any]:
         """All parameters gathered into the reference's layout (host numpy arrays)."""
         return full_params(self.graph, self.state.params)
@@ -178,6 +183,8 @@ class Executor:
         With ``profile=True`` every F/B waits for its result and its wall time is kept in
         :attr:`op_times` (for :meth:`timeline`); values are unchanged, only slower.
         """
+        if self.state is None:
+            raise ValueError("the executor has no state: give params=, state= or restore one")
         self.validate_batch(next(iter(batch.values())).shape[0])
         normalizer = jnp.float32(max(float(np.sum(batch[self.mask_key])), 1.0))
         feed = Feed(

@@ -8,6 +8,7 @@ plain Python floats; they run on process 0 only (the caller passes none elsewher
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -97,11 +98,55 @@ def _ready(metrics: Mapping[str, Any]) -> bool:
     return all(v.is_ready() if hasattr(v, "is_ready") else True for v in metrics.values())
 
 
-class JsonlWriter(Observer):
-    """Writes one JSON object per step to ``path`` (JSON Lines), ``step`` first."""
+class NonFiniteError(ValueError):
+    """A step's loss or gradient norm is NaN or infinite (the message names the modules)."""
 
-    def __init__(self, path: str):
-        self._file: IO[str] = open(path, "w", encoding="utf-8")  # noqa: SIM115
+
+def nonfinite(metrics: Mapping[str, float]) -> list[str]:
+    """The metric names among loss and gradient norms whose value is NaN or infinite."""
+    keys = [k for k in metrics if k in ("loss", "grad_norm") or k.startswith("grad_norm/")]
+    return [k for k in keys if not math.isfinite(metrics[k])]
+
+
+class NonFiniteGuard(Observer):
+    """Stops a run at a step whose loss or gradient norm is not finite.
+
+    With ``skip > 0`` the executor skipped those updates (``ParallelOptions.skip_nonfinite``)
+    and the run goes on, until more than ``skip`` such steps come in a row.
+    """
+
+    def __init__(self, skip: int = 0, *, note: Callable[[], str] = lambda: ""):
+        self.skip, self.note = skip, note
+        self.in_a_row = 0
+        self.skipped = 0
+
+    def on_step(self, step: int, metrics: Mapping[str, float]) -> None:
+        bad = nonfinite(metrics)
+        if not bad:
+            self.in_a_row = 0
+            return
+        self.in_a_row += 1
+        self.skipped += 1
+        if self.in_a_row <= self.skip:
+            return
+        modules = [k.split("/", 1)[1] for k in bad if "/" in k]
+        where = f"the gradient of {', '.join(modules)} went non-finite" if modules else ""
+        values = ", ".join(f"{k}={metrics[k]}" for k in bad)
+        run = f" ({self.in_a_row} in a row)" if self.skip else ""
+        raise NonFiniteError(
+            f"step {step}: {values}{run}; {where or 'the loss went non-finite'}"
+            f"{self.note()}; lower the learning rate or clip harder"
+        )
+
+
+class JsonlWriter(Observer):
+    """Writes one JSON object per step to ``path`` (JSON Lines), ``step`` first.
+
+    ``append``: continue an existing file (a resumed run continues its step numbering).
+    """
+
+    def __init__(self, path: str, *, append: bool = False):
+        self._file: IO[str] = open(path, "a" if append else "w", encoding="utf-8")  # noqa: SIM115
 
     def on_step(self, step: int, metrics: Mapping[str, float]) -> None:
         row = {"step": step, **{k: v for k, v in metrics.items() if k != "step"}}

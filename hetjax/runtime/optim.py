@@ -83,7 +83,7 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArg
 
     def update(updates, state, params=None, *, global_norm=None, **extra_args):
         del params, extra_args
-        norm = _tree_norm(updates) if global_norm is None else global_norm
+        norm = tree_norm(updates) if global_norm is None else global_norm
         clipped = jax.tree.map(
             lambda g: jnp.where(norm < max_norm, g, (g / norm.astype(g.dtype)) * max_norm),
             updates,
@@ -93,7 +93,7 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArg
     return optax.GradientTransformationExtraArgs(init, update)
 
 
-def _tree_norm(tree: Any) -> jax.Array:
+def tree_norm(tree: Any) -> jax.Array:
     """The L2 norm of all leaves, as optax computes it (``optax.tree.norm`` when present)."""
     tree_utils = getattr(optax, "tree", None)
     return tree_utils.norm(tree) if hasattr(tree_utils, "norm") else optax.global_norm(tree)

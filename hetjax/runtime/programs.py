@@ -45,10 +45,11 @@ REPLICA_AXIS = "dp"  # gradients are kept per replica of this axis until the ste
 
 @dataclasses.dataclass(frozen=True)
 class ParallelOptions:
-    """Per-run switches that change shardings inside every stage program."""
+    """Per-run switches that change what every stage program does."""
 
     zero1: bool = False  # shard optimizer moments (and reduced gradients) over dp
     sequence_parallel: bool = False  # residual stream sharded on sequence over tp
+    skip_nonfinite: bool = False  # a step whose global gradient norm is NaN/inf: no update
 
 
 def zero1_sharding(sharding: NamedSharding, shape: tuple[int, ...]) -> NamedSharding:
@@ -171,6 +172,20 @@ class StageProgram:
     def slice_params(self, full: dict[str, Any]) -> dict[str, Any]:
         """This stage's part of a full parameter (or logical-axes) tree."""
         return slice_stage(self.spec, self.stage, full)
+
+    def abstract_state(self) -> tuple[Any, Any]:
+        """This stage's parameters and optimizer state as ``ShapeDtypeStruct`` s carrying
+        their shardings (what a checkpoint restores into)."""
+
+        def sds(a, sharding):
+            return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
+
+        params = self._abstract_stage()
+        opt = jax.eval_shape(self.optimizer.init, params)
+        return (
+            jax.tree.map(sds, params, self.param_shardings),
+            jax.tree.map(sds, opt, self.state_shardings),
+        )
 
     def place_params(self, full: dict[str, Any]) -> dict[str, Any]:
         host = jax.device_get(self.slice_params(full))
@@ -309,9 +324,15 @@ class StageProgram:
         return grads, sqnorms_by_key(grads)
 
     def _update(self, params, opt_state, grads, global_norm):
+        old_state = opt_state
         # hetjax.clip_by_global_norm in the chain clips with the norm of ALL stages.
         updates, opt_state = self.optimizer.update(
             grads, opt_state, params, global_norm=global_norm
         )
-        params = optax.apply_updates(params, updates)
-        return params, opt_state, sqnorms_by_key(params)
+        new = optax.apply_updates(params, updates)
+        if self.options.skip_nonfinite:  # every stage sees the same global norm
+            keep = ~jnp.isfinite(global_norm)
+            new, opt_state = jax.tree.map(
+                lambda n, o: jnp.where(keep, o, n), (new, opt_state), (params, old_state)
+            )
+        return new, opt_state, sqnorms_by_key(new)

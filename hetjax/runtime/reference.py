@@ -23,6 +23,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from hetjax.ops.context import parallel_context
+from hetjax.runtime.optim import tree_norm
+from hetjax.runtime.reduce import StepMetrics
 
 Batch = Mapping[str, jax.Array]
 LossSumFn = Callable[[Any, Batch], jax.Array]
@@ -109,7 +111,7 @@ class ReferenceTrainer:
             params = optax.apply_updates(params, updates)
             metrics = {
                 "loss": loss,
-                "grad_norm": optax.global_norm(grads),
+                "grad_norm": tree_norm(grads),
                 **tree_norms(grads, "grad_norm"),
                 **tree_norms(params, "param_norm"),
                 "supervised_tokens": normalizer,
@@ -128,9 +130,9 @@ class ReferenceTrainer:
         check_batch_split(b, self.microbatches, self.num_devices)
         return jax.device_put(split_microbatches(batch, self.microbatches), self._batch_sharding)
 
-    def step(self, batch: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
-        """One optimiser step; returns metrics as (not yet fetched) device scalars."""
+    def step(self, batch: Mapping[str, np.ndarray]) -> StepMetrics:
+        """One optimiser step; returns its metrics (read from the device when first used)."""
         self.params, self.opt_state, metrics = self._step(
             self.params, self.opt_state, self.shard_batch(batch)
         )
-        return metrics
+        return StepMetrics(metrics)

@@ -13,7 +13,7 @@ layout (the form checkpoints and the reference trainer use).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -34,11 +34,22 @@ class TrainState:
     step: int = 0  # optimiser steps applied so far
 
 
-def slice_stage(spec: ModuleSpec, stage: int, full: Mapping[str, Any]) -> dict[str, Any]:
+def _rows(a: Any, start: int, stop: int) -> Any:
+    return a[start:stop] if hasattr(a, "shape") else a
+
+
+def slice_stage(
+    spec: ModuleSpec,
+    stage: int,
+    full: Mapping[str, Any],
+    *,
+    take: Callable[[Any, int, int], Any] = _rows,
+) -> dict[str, Any]:
     """Stage ``stage``'s part of a full parameter (or logical-axes) tree of ``spec``.
 
     The first stage holds the main part's ``pre``, every stage its own block range, the
     last stage the main part's ``post`` and all further parts (e.g. the projector).
+    ``take(leaf, start, stop)`` cuts a stacked leaf to the stage's layers.
     """
     main = spec.parts[0]
     first, last = stage == 0, stage == spec.layout.pp - 1
@@ -49,9 +60,7 @@ def slice_stage(spec: ModuleSpec, stage: int, full: Mapping[str, Any]) -> dict[s
             own[part] = tree
         elif part == "blocks":
             own[part] = jax.tree.map(
-                lambda a: a[start:stop] if hasattr(a, "shape") else a,
-                tree,
-                is_leaf=lambda x: isinstance(x, tuple),
+                lambda a: take(a, start, stop), tree, is_leaf=lambda x: isinstance(x, tuple)
             )
     sliced = {main.name: own}
     if last:

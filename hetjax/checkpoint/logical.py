@@ -1,0 +1,203 @@
+"""The logical (layout-free) view of a training state, and back, without copies.
+
+On disk a checkpoint holds every module's parameters over its FULL layer stack and the
+optimizer state in the structure ``optimizer.init(full_params)`` gives (what the
+single-device reference trainer holds), never per pipeline stage, so any checkpoint
+restores into any valid layout of the same model.
+
+Neither direction gathers anything. A module's block stack split over ``pp`` stages is
+ONE global array on the module's full mesh (``layers`` over ``pp``, each stage's own
+sharding inside), assembled from the stages' device buffers with
+``jax.make_array_from_single_device_arrays``; restoring reads each device's slice
+straight into that layout (orbax restores to target shardings, each process reading only
+what its devices hold) and hands every stage its buffers the same way. Leaves that live
+on one stage (``pre``, ``post``, further parts) keep that stage's sharding. Optimizer
+leaves that are not parameter-shaped (step counters, equal on every stage) travel as
+host scalars and are placed on every stage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from hetjax.runtime import TrainState, slice_stage
+from hetjax.runtime.programs import put_global
+
+StageKey = tuple[str, int]
+Logical = dict[str, Any]  # {"params": full tree, "opt_state": full-structure optax state}
+
+
+# -- one stacked leaf ---------------------------------------------------------------------
+
+
+def stacked_sharding(stage: NamedSharding, ndim: int, full_mesh: Any) -> NamedSharding:
+    """The full-mesh sharding whose per-device shards are ``stage``'s on every stage:
+    dim 0 (``layers``) over ``pp`` first, then whatever splits it inside a stage."""
+    spec = list(stage.spec) + [None] * (ndim - len(stage.spec))
+    inner = () if spec[0] is None else (spec[0],) if isinstance(spec[0], str) else spec[0]
+    return NamedSharding(full_mesh, P(("pp", *inner), *spec[1:]))
+
+
+def _assemble(shape: tuple[int, ...], sharding: NamedSharding, arrays: list) -> jax.Array:
+    shards = {s.device: s.data for a in arrays for s in a.addressable_shards}
+    devices = sharding.addressable_devices_indices_map(shape)
+    return jax.make_array_from_single_device_arrays(shape, sharding, [shards[d] for d in devices])
+
+
+def _stack(arrays: list, full_mesh: Any) -> Any:
+    if len(arrays) == 1:
+        return arrays[0]
+    a0 = arrays[0]
+    shape = (sum(a.shape[0] for a in arrays), *a0.shape[1:])
+    sharding = stacked_sharding(a0.sharding, len(shape), full_mesh)
+    if isinstance(a0, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(shape, a0.dtype, sharding=sharding)
+    return _assemble(shape, sharding, arrays)
+
+
+# -- per-stage trees <-> full trees -------------------------------------------------------
+
+
+def merge(graph: Any, per_stage: Mapping[StageKey, Any], meshes: Mapping[str, Any]) -> dict:
+    """Per-stage parameter-shaped trees -> one tree keyed by part, full layer stacks."""
+    out: dict[str, Any] = {}
+    for spec in graph.modules:
+        main = spec.parts[0]
+        stages = [per_stage[(spec.name, s)] for s in range(spec.layout.pp)]
+        tree = {}
+        if "pre" in stages[0][main.name]:
+            tree["pre"] = stages[0][main.name]["pre"]
+        if "blocks" in stages[0][main.name]:
+            mesh = meshes[spec.name].mesh
+            tree["blocks"] = jax.tree.map(
+                lambda *xs, mesh=mesh: _stack(list(xs), mesh),
+                *[s[main.name]["blocks"] for s in stages],
+            )
+        if "post" in stages[-1][main.name]:
+            tree["post"] = stages[-1][main.name]["post"]
+        out[main.name] = tree
+        for part in spec.parts[1:]:
+            out[part.name] = stages[-1][part.name]
+    return out
+
+
+def split(spec: Any, stage: int, full: Mapping[str, Any], like: Any) -> Any:
+    """Stage ``stage``'s part of a restored full tree, shaped and sharded like ``like``."""
+
+    def take(a, start, stop):
+        return a  # stacked leaves are cut below, by their devices
+
+    mine = slice_stage(spec, stage, full, take=take)
+    return jax.tree.map(
+        lambda a, l: a if a.shape == l.shape else _assemble(l.shape, l.sharding, [a]), mine, like
+    )
+
+
+def _params_like(keys: set) -> Callable[[Any], bool]:
+    return lambda x: isinstance(x, dict) and bool(keys) and set(x) == keys
+
+
+def _flatten(tree: Any, keys: set) -> tuple[list, Any, list[bool]]:
+    """Flattens keeping parameter-shaped subtrees (dicts keyed ``keys``) whole."""
+    is_params = _params_like(keys)
+    leaves, treedef = jax.tree.flatten(tree, is_leaf=is_params)
+    return leaves, treedef, [is_params(x) for x in leaves]
+
+
+def merge_opt(graph, params, opt_states, meshes, scalar: Callable) -> Any:
+    """Per-stage optimizer states -> the same optimizer's state over the full tree."""
+    keys = list(opt_states)
+    flat = {k: _flatten(opt_states[k], set(params[k])) for k in keys}
+    leaves0, treedef, marks = flat[keys[0]]
+    out = [
+        merge(graph, {k: flat[k][0][i] for k in keys}, meshes) if m else scalar(leaves0[i])
+        for i, m in enumerate(marks)
+    ]
+    return jax.tree.unflatten(treedef, out)
+
+
+def split_opt(spec, stage, full_opt, full_keys: set, like_params, like_opt) -> Any:
+    """One stage's optimizer state from the full-structure one (``like_*``: its targets)."""
+    leaves, _, marks = _flatten(full_opt, full_keys)
+    like_leaves, treedef, like_marks = _flatten(like_opt, set(like_params))
+    assert marks == like_marks, "optimizer state structures differ"
+    out = [
+        split(spec, stage, leaf, like) if m else put_global(np.asarray(leaf), like.sharding)
+        for leaf, like, m in zip(leaves, like_leaves, marks, strict=True)
+    ]
+    return jax.tree.unflatten(treedef, out)
+
+
+# -- whole trainers -----------------------------------------------------------------------
+
+
+def _host_target(x: Any) -> np.ndarray:
+    return np.zeros(x.shape, x.dtype)
+
+
+def executor_logical(ex: Any) -> Logical:
+    """The executor's state as logical global arrays (views of its buffers)."""
+    params = ex.state.params
+    return {
+        "params": merge(ex.graph, params, ex.meshes),
+        "opt_state": merge_opt(ex.graph, params, ex.state.opt_state, ex.meshes, lambda x: x),
+    }
+
+
+def executor_targets(ex: Any) -> Logical:
+    """What restoring into ``ex`` reads: shapes and the new layout's shardings."""
+    params, opt = ex.abstract_state()
+    return {
+        "params": merge(ex.graph, params, ex.meshes),
+        "opt_state": merge_opt(ex.graph, params, opt, ex.meshes, _host_target),
+    }
+
+
+def executor_state(ex: Any, logical: Logical, step: int) -> TrainState:
+    """Restored logical arrays -> the executor's per-stage :class:`TrainState`."""
+    like_params, like_opt = ex.abstract_state()
+    full_keys = set(logical["params"])
+    params, opt_state = {}, {}
+    for key in like_params:
+        spec = ex.graph.module(key[0])
+        params[key] = split(spec, key[1], logical["params"], like_params[key])
+        opt_state[key] = split_opt(
+            spec, key[1], logical["opt_state"], full_keys, like_params[key], like_opt[key]
+        )
+    return TrainState(params, opt_state, step)
+
+
+def reference_logical(trainer: Any) -> Logical:
+    return {"params": trainer.params, "opt_state": trainer.opt_state}
+
+
+def reference_targets(trainer: Any) -> Logical:
+    keys = set(trainer.params)
+
+    def target(x, params_like):
+        if params_like:
+            return jax.tree.map(
+                lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), x
+            )
+        return _host_target(x)
+
+    leaves, treedef, marks = _flatten(trainer.opt_state, keys)
+    opt = jax.tree.unflatten(treedef, [target(x, m) for x, m in zip(leaves, marks, strict=True)])
+    return {"params": target(trainer.params, True), "opt_state": opt}
+
+
+def reference_state(trainer: Any, logical: Logical) -> tuple[Any, Any]:
+    keys = set(trainer.params)
+    replicated = jax.tree.leaves(trainer.params)[0].sharding
+    leaves, treedef, marks = _flatten(logical["opt_state"], keys)
+    opt = [
+        x if m else put_global(np.asarray(x), replicated)
+        for x, m in zip(leaves, marks, strict=True)
+    ]
+    return logical["params"], jax.tree.unflatten(treedef, opt)

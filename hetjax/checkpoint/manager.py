@@ -1,0 +1,214 @@
+"""Saving and restoring training state with orbax, in the logical format.
+
+:class:`Checkpointer` wraps ``orbax.checkpoint.CheckpointManager``: each checkpoint is a
+step directory holding ``state`` (parameters and optimizer state, see
+:mod:`hetjax.checkpoint.logical`) and ``meta`` (JSON: the step, the data position, the
+RNG seed, the resolved config, the model's parameter shapes). Saves are asynchronous:
+``save`` returns once the arrays are copied to host memory and the files are written in
+the background (the next step may then donate the buffers). Orbax writes into a
+temporary directory and renames it when complete, so a kill during a save leaves
+nothing a restore would load; only the ``keep`` most recent complete checkpoints stay.
+
+Any checkpoint restores into any trainer of the same model: an :class:`hetjax.Executor`
+of any layout (the arrays are read straight into its shardings; each process reads only
+the slices its devices hold) or a :class:`hetjax.ReferenceTrainer`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+from hetjax.checkpoint import logical as lg
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory or its contents cannot be used; the message names the fix."""
+
+
+def _is_executor(trainer: Any) -> bool:
+    return hasattr(trainer, "abstract_state")
+
+
+def shapes(tree: Any) -> dict[str, list[int]]:
+    """``{"vit/blocks/attn/qkv": [4, 64, 192], ...}``: each leaf's path and shape."""
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        name = "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+        out[name] = [int(n) for n in leaf.shape]
+    return out
+
+
+class Checkpointer:
+    """Asynchronous logical checkpoints of one run in ``directory``.
+
+    Args:
+        directory: where step directories go (created if missing).
+        keep: the most recent complete checkpoints kept.
+        async_save: write files in the background (the loop waits only for the copy of
+            the arrays to host memory).
+    """
+
+    def __init__(self, directory: str | os.PathLike, *, keep: int = 3, async_save: bool = True):
+        if keep < 1:
+            raise CheckpointError(f"keep={keep} must be at least 1")
+        self.directory = Path(directory).absolute()
+        if self.directory.exists() and not self.directory.is_dir():
+            raise CheckpointError(f"checkpoint dir {self.directory} is a file; give a directory")
+        _check_writable(self.directory)
+        self._manager = ocp.CheckpointManager(
+            self.directory,
+            options=ocp.CheckpointManagerOptions(
+                max_to_keep=keep, enable_async_checkpointing=async_save, create=True
+            ),
+            item_names=("state", "meta"),
+        )
+        if self._manager.latest_step() is None and _foreign(self.directory):
+            raise CheckpointError(
+                f"{self.directory} is not a hetjax checkpoint directory (it holds other "
+                "files and no checkpoint); give an empty or new directory"
+            )
+
+    def latest_step(self) -> int | None:
+        """The step of the newest complete checkpoint, or None."""
+        return self._manager.latest_step()
+
+    def path(self, step: int) -> Path:
+        return self.directory / str(step)
+
+    def save(self, step: int, trainer: Any, *, metadata: Mapping[str, Any] | None = None) -> None:
+        """Starts saving ``trainer``'s state as step ``step`` (returns before the writes)."""
+        state = (
+            lg.executor_logical(trainer) if _is_executor(trainer) else lg.reference_logical(trainer)
+        )
+        meta = {
+            "step": int(step),
+            "shapes": shapes(state["params"]),
+            **json.loads(json.dumps(dict(metadata or {}), default=str)),
+        }
+        self._manager.save(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)
+            ),
+            force=True,
+        )
+
+    def metadata(self, step: int | None = None) -> dict[str, Any]:
+        """The JSON metadata of checkpoint ``step`` (default: the latest)."""
+        step = self._step(step)
+        try:
+            got = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        except Exception as e:  # noqa: BLE001 - orbax raises many kinds; report one line
+            raise CheckpointError(
+                f"checkpoint {self.path(step)} is damaged ({type(e).__name__}); delete it to "
+                "resume from an earlier one"
+            ) from None
+        return dict(got["meta"])
+
+    def restore(self, trainer: Any, *, step: int | None = None) -> dict[str, Any]:
+        """Restores checkpoint ``step`` (default: the latest) into ``trainer``.
+
+        Returns:
+            The checkpoint's metadata.
+
+        Raises:
+            CheckpointError: no checkpoint, a checkpoint of another model (naming the
+                first leaf whose shape differs), or a damaged one.
+        """
+        step = self._step(step)
+        meta = self.metadata(step)
+        executor = _is_executor(trainer)
+        targets = lg.executor_targets(trainer) if executor else lg.reference_targets(trainer)
+        _check_shapes(meta.get("shapes", {}), shapes(targets["params"]), self.path(step))
+        try:
+            got = self._manager.restore(
+                step,
+                args=ocp.args.Composite(state=ocp.args.StandardRestore(targets)),
+            )
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(
+                f"checkpoint {self.path(step)} is damaged or incomplete ({type(e).__name__}: "
+                f"{str(e).splitlines()[0][:160]}); delete it to resume from an earlier one"
+            ) from None
+        if executor:
+            trainer.state = lg.executor_state(trainer, got["state"], int(meta["step"]))
+        else:
+            trainer.params, trainer.opt_state = lg.reference_state(trainer, got["state"])
+        return meta
+
+    def wait(self) -> None:
+        """Blocks until every started save is on disk."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        self._manager.wait_until_finished()
+        self._manager.close()
+
+    def _step(self, step: int | None) -> int:
+        step = self.latest_step() if step is None else step
+        if step is None or step not in self._manager.all_steps():
+            raise CheckpointError(
+                f"no checkpoint {'' if step is None else step} in {self.directory}"
+            )
+        return step
+
+
+def _check_writable(directory: Path) -> None:
+    """Creates ``directory`` and writes a probe file, so a bad directory fails now, not
+    at the first save after hours of training."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = directory / f".hetjax-write-probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise CheckpointError(
+            f"checkpoint dir {directory} is not writable ({e.strerror or type(e).__name__}); "
+            "give a directory you can write"
+        ) from None
+
+
+def _foreign(directory: Path) -> bool:
+    """Whether ``directory`` holds files that are not orbax's (nor its temporaries)."""
+    if not directory.is_dir():
+        return False
+    return any(not p.name.startswith(".") and not _orbax_entry(p) for p in directory.iterdir())
+
+
+def _orbax_entry(p: Path) -> bool:
+    name = p.name.split(".orbax-checkpoint-tmp")[0]
+    return p.is_dir() and name.isdigit() or "orbax" in p.name or p.name.endswith("metadata")
+
+
+def _check_shapes(saved: Mapping[str, list], wanted: Mapping[str, list], where: Path) -> None:
+    for name in sorted(set(saved) | set(wanted)):
+        a, b = saved.get(name), wanted.get(name)
+        if a != b:
+            raise CheckpointError(
+                f"checkpoint {where} is of another model: parameter {name} has shape "
+                f"{None if a is None else tuple(a)} there but {None if b is None else tuple(b)} "
+                "here; resume with the same model (--model) or start a new checkpoint dir"
+            )
+
+
+def save(directory: str | os.PathLike, trainer: Any, step: int, **kwargs: Any) -> None:
+    """Saves ``trainer``'s state as ``step`` in ``directory`` and waits for it."""
+    ckpt = Checkpointer(directory, async_save=False)
+    ckpt.save(step, trainer, metadata=kwargs.get("metadata"))
+    ckpt.close()
+
+
+def restore(directory: str | os.PathLike, trainer: Any, *, step: int | None = None) -> dict:
+    """Restores the latest (or ``step``'s) checkpoint in ``directory`` into ``trainer``."""
+    ckpt = Checkpointer(directory)
+    try:
+        return ckpt.restore(trainer, step=step)
+    finally:
+        ckpt.close()
