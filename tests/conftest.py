@@ -15,12 +15,14 @@ os.environ.setdefault(
 )
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
-# XLA:CPU aborts when a collective waits 40 s for a participant; tests start several
-# processes on 2 cores, which can starve a device thread that long. Subprocesses inherit it.
+from tests._xla import subprocess_flags  # noqa: E402
+
+# 8 simulated devices, fast compiles and patient collectives (see tests/_xla.py);
+# subprocesses inherit them.
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "")
-    + " --xla_force_host_platform_device_count=8"
-    + " --xla_cpu_collective_call_terminate_timeout_seconds=600"
+    + " --xla_force_host_platform_device_count=8 "
+    + subprocess_flags()
 ).strip()
 
 import jax  # noqa: E402

@@ -29,6 +29,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests._xla import subprocess_flags
+
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 600  # per subprocess: all runs share a loaded 2-core CI machine
 STOP_BOUND_S = 60  # a process killed -> every process gone (the bound)
@@ -61,6 +63,7 @@ MULTI = [
 
 def _env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["XLA_FLAGS"] = subprocess_flags()  # fast compiles; no device count
     env = {k: v for k, v in env.items() if not k.startswith(("HETJAX_", "SLURM_", "OMPI_"))}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     env.update(extra)
