@@ -58,6 +58,7 @@ def main(config: TrainConfig) -> int:
     import jax
 
     import hetjax
+    import hetjax.checkpoint
     from hetjax import distributed
 
     multi = info.is_multiprocess
@@ -76,6 +77,8 @@ def main(config: TrainConfig) -> int:
         ckpt = _checkpointer(config)  # before training: the directory is usable
         resume = ckpt is not None and ckpt.latest_step() is not None
         trainer = _trainer(config, run, devices, init=not resume)
+        if ckpt is not None:
+            hetjax.checkpoint.check_savable(trainer)
         start = _resume(ckpt, trainer, lead) if resume else 0
     end = config.stop_after or config.steps
     hooks = _hooks(config, run, devices, info.num_processes if multi else 1, start) if lead else []

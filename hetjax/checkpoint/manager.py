@@ -175,6 +175,26 @@ def _check_writable(directory: Path) -> None:
         ) from None
 
 
+def check_savable(trainer: Any) -> None:
+    """Multi-process: orbax saves global arrays that span processes (each writes its own
+    shards), and refuses one held entirely by one process. Checked before training.
+
+    Raises:
+        CheckpointError: a pipeline stage whose devices all belong to one process.
+    """
+    if jax.process_count() == 1 or not _is_executor(trainer):
+        return
+    for (module, stage), prog in trainer.programs.items():
+        owners = sorted({d.process_index for d in prog.devices})
+        if len(owners) == 1:
+            raise CheckpointError(
+                f"multi-process checkpoints need every pipeline stage to span processes "
+                f"(orbax saves global arrays), but {module} stage {stage} is on process "
+                f"{owners[0]} only; use stages that span processes (e.g. fewer pp stages or "
+                "colocated modules), or checkpoint a single-process run"
+            )
+
+
 def _foreign(directory: Path) -> bool:
     """Whether ``directory`` holds files that are not orbax's (nor its temporaries)."""
     if not directory.is_dir():
