@@ -279,7 +279,11 @@ def _kept(ckpt):
             return ""
         ckpt.wait()
         last = ckpt.latest_step()
-        return "" if last is None else f"; the last checkpoint ({ckpt.path(last)}) is intact"
+        return (
+            ""
+            if last is None
+            else f"; the checkpoint after step {last} ({ckpt.path(last)}) is intact"
+        )
 
     return note
 

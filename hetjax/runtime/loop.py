@@ -134,8 +134,9 @@ class NonFiniteGuard(Observer):
         values = ", ".join(f"{k}={metrics[k]}" for k in bad)
         run = f" ({self.in_a_row} in a row)" if self.skip else ""
         raise NonFiniteError(
-            f"step {step}: {values}{run}; {where or 'the loss went non-finite'}"
-            f"{self.note()}; lower the learning rate or clip harder"
+            f"step {step + 1} (metrics step {step}): {values}{run}; "
+            f"{where or 'the loss went non-finite'}{self.note()}; lower the learning rate or "
+            "clip harder"
         )
 
 
