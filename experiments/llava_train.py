@@ -58,7 +58,6 @@ def main(config: TrainConfig) -> int:
     import jax
 
     import hetjax
-    import hetjax.checkpoint
     from hetjax import distributed
 
     multi = info.is_multiprocess
@@ -78,7 +77,7 @@ def main(config: TrainConfig) -> int:
         resume = ckpt is not None and ckpt.latest_step() is not None
         trainer = _trainer(config, run, devices, init=not resume)
         if ckpt is not None:
-            hetjax.checkpoint.check_savable(trainer)
+            ckpt.check_savable(trainer)
         start = _resume(ckpt, trainer, lead) if resume else 0
     end = config.stop_after or config.steps
     hooks = _hooks(config, run, devices, info.num_processes if multi else 1, start) if lead else []
@@ -257,6 +256,8 @@ def _checkpointer(config: TrainConfig):
     """The run's checkpoint directory, checked before training (None: no checkpoints)."""
     if not config.checkpoint.dir:
         return None
+    # Only now: importing orbax reconfigures Python logging (JAX's log lines gain a
+    # "WARNING:<logger>:" prefix), which runs without checkpoints should not see.
     from hetjax.checkpoint import Checkpointer
 
     return Checkpointer(config.checkpoint.dir, keep=config.checkpoint.keep)

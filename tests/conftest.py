@@ -17,7 +17,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 from tests._xla import subprocess_flags  # noqa: E402
 
-# 8 simulated devices, fast compiles and patient collectives (see tests/_xla.py);
+# 8 simulated devices and patient collectives (see tests/_xla.py);
 # subprocesses inherit them.
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "")

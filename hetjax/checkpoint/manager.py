@@ -17,6 +17,7 @@ the slices its devices hold) or a :class:`hetjax.ReferenceTrainer`.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -144,6 +145,11 @@ class Checkpointer:
             trainer.params, trainer.opt_state = lg.reference_state(trainer, got["state"])
         return meta
 
+    @staticmethod
+    def check_savable(trainer: Any) -> None:
+        """See :func:`check_savable`."""
+        check_savable(trainer)
+
     def wait(self) -> None:
         """Blocks until every started save is on disk."""
         self._manager.wait_until_finished()
@@ -184,10 +190,22 @@ def _single_writer_arrays() -> None:
     for ``tiny`` instead of 0.15 s). That split only pays across hosts, where each host
     writes its part; with several processes orbax's default stays.
     """
-    if jax.process_count() == 1:
+    global _SINGLE_WRITER
+    if _SINGLE_WRITER or jax.process_count() > 1:
+        return
+    absl = logging.getLogger("absl")  # orbax warns on every override of its default
+    level = absl.level
+    absl.setLevel(logging.ERROR)
+    try:
         ocp.type_handlers.register_type_handler(
             jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False), override=True
         )
+    finally:
+        absl.setLevel(level)
+    _SINGLE_WRITER = True
+
+
+_SINGLE_WRITER = False  # registered in this process
 
 
 def check_savable(trainer: Any) -> None:

@@ -47,7 +47,7 @@ def _close(got, want):
 @pytest.mark.multiprocess
 def test_two_processes_match_single_device(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["XLA_FLAGS"] = subprocess_flags()  # fast compiles; no device count
+    env["XLA_FLAGS"] = subprocess_flags()  # no device count: the launcher sets it
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     port = str(_free_port())
     script = str(Path(worker.__file__))

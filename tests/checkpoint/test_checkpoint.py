@@ -146,7 +146,9 @@ def test_another_model_names_the_first_mismatched_leaf(saved):
     model, _, _ = setup("tiny-av")
     layouts = {"vision": "dp=8", "audio": "dp=8", "llm": "dp=2,tp=2,pp=2"}
     ex = hetjax.Executor(plan(model, layouts), devices=jax.devices(), optimizer=OPTIMIZER)
-    with pytest.raises(CheckpointError, match=r"of another model: parameter \S+ has shape") as e:
+    with pytest.raises(
+        CheckpointError, match=r"of another model: (it has no |its )?parameter \S+ "
+    ) as e:
         hetjax.checkpoint.restore(directory, ex)
     assert "\n" not in str(e.value)
 

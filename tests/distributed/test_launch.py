@@ -30,7 +30,7 @@ STOP_BOUND_S = 30  # failure to every process gone (start-up excluded); watchdog
 
 def _env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
-    env["XLA_FLAGS"] = subprocess_flags()  # fast compiles; no device count
+    env["XLA_FLAGS"] = subprocess_flags()  # no device count: the launcher sets it
     env = {k: v for k, v in env.items() if not k.startswith(("HETJAX_", "SLURM_", "OMPI_"))}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     env.update(extra)

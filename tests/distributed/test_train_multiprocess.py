@@ -63,7 +63,7 @@ MULTI = [
 
 def _env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["XLA_FLAGS"] = subprocess_flags()  # fast compiles; no device count
+    env["XLA_FLAGS"] = subprocess_flags()  # no device count: the launcher sets it
     env = {k: v for k, v in env.items() if not k.startswith(("HETJAX_", "SLURM_", "OMPI_"))}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     env.update(extra)
@@ -227,3 +227,53 @@ def test_partial_multiprocess_flags_give_one_line():
         "llava_train: error: --coordinator given but --num-processes and --process-id "
         "missing: pass all three (or start the processes with python -m hetjax.launch)"
     ], done.stderr
+
+
+# Checkpoints across process counts: a layout whose stages span both processes (orbax
+# saves global arrays; a stage held by one process is refused up front).
+SPANNING = ["--layout", "vision:dp=8", "--layout", "llm:dp=4,tp=2"]
+CKPT_RUN = ["--steps", "6", "--global-batch", "16", "--microbatches", "2", *SPANNING]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_checkpoints_move_between_process_counts(tmp_path):
+    """Saved by 2 processes x 4 devices at step 3, resumed by one process with 8; and the
+    other way round. Steps 4-6 match the uninterrupted single-process run."""
+    whole = tmp_path / "whole.jsonl"
+    ref = _popen(["experiments.llava_train", "--devices", "8", *CKPT_RUN, "--metrics", str(whole)])
+    saves = {
+        "multi": _launcher(
+            2, 4, "experiments.llava_train",
+            [*CKPT_RUN, "--stop-after", "3", "--checkpoint-dir", str(tmp_path / "multi")],
+        ),
+        "single": _popen(
+            ["experiments.llava_train", "--devices", "8", *CKPT_RUN, "--stop-after", "3",
+             "--checkpoint-dir", str(tmp_path / "single")]
+        ),
+    }  # fmt: skip
+    for name, proc in saves.items():
+        done = _finish(proc, f"the {name}-process save")
+        assert done.returncode == 0, done.stderr[-3000:]
+    resumes = {  # each resumes the other's checkpoint
+        "single": _popen(
+            ["experiments.llava_train", "--devices", "8", *CKPT_RUN,
+             "--checkpoint-dir", str(tmp_path / "multi"), "--metrics", str(tmp_path / "s.jsonl")]
+        ),
+        "multi": _launcher(
+            2, 4, "experiments.llava_train",
+            [*CKPT_RUN, "--checkpoint-dir", str(tmp_path / "single"),
+             "--metrics", str(tmp_path / "m.jsonl")],
+        ),
+    }  # fmt: skip
+    done = _finish(ref, "the uninterrupted run")
+    assert done.returncode == 0, done.stderr[-3000:]
+    want = [r["loss"] for r in _rows(whole)]
+    assert len(want) == 6
+    for name, proc in resumes.items():
+        done = _finish(proc, f"the {name}-process resume")
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert "resumed from step 3" in done.stdout, done.stdout[-2000:]
+        rows = _rows(tmp_path / ("s.jsonl" if name == "single" else "m.jsonl"))
+        assert [r["step"] for r in rows] == [3, 4, 5]
+        np.testing.assert_allclose([r["loss"] for r in rows], want[3:], rtol=1e-5)

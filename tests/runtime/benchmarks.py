@@ -1,12 +1,9 @@
 """Running a benchmark the way a user does, for the benchmark tests."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
-
-from tests._xla import COMPILE_FLAGS
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 600
@@ -19,8 +16,6 @@ def quick_rows(module: str, out_dir: Path) -> list[dict]:
     proc = subprocess.run(
         [sys.executable, "-m", f"experiments.{module}", "--quick", "--json", str(out)],
         cwd=ROOT,
-        # Benchmarks judge speed: they keep XLA's default optimisation level.
-        env={**os.environ, "XLA_FLAGS": os.environ.get("XLA_FLAGS", "").replace(COMPILE_FLAGS, "")},
         capture_output=True,
         text=True,
         timeout=TIMEOUT_S,

@@ -82,7 +82,7 @@ def test_schedule_short_runs_still_train():
 
 
 def test_config_rejects_bad_values():
-    with pytest.raises(ValueError, match="--lr"):
+    with pytest.raises(ValueError, match="lr=0.0"):
         OptimizerConfig(lr=0.0)
     with pytest.raises(ValueError, match="warmup_steps >= 0"):
         OptimizerConfig(warmup_steps=-1)
