@@ -28,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from hetjax.runtime import TrainState, slice_stage
 from hetjax.runtime.programs import put_global
+from hetjax.runtime.state import merge_stages
 
 StageKey = tuple[str, int]
 Logical = dict[str, Any]  # {"params": full tree, "opt_state": full-structure optax state}
@@ -65,26 +66,9 @@ def _stack(arrays: list, full_mesh: Any) -> Any:
 
 
 def merge(graph: Any, per_stage: Mapping[StageKey, Any], meshes: Mapping[str, Any]) -> dict:
-    """Per-stage parameter-shaped trees -> one tree keyed by part, full layer stacks."""
-    out: dict[str, Any] = {}
-    for spec in graph.modules:
-        main = spec.parts[0]
-        stages = [per_stage[(spec.name, s)] for s in range(spec.layout.pp)]
-        tree = {}
-        if "pre" in stages[0][main.name]:
-            tree["pre"] = stages[0][main.name]["pre"]
-        if "blocks" in stages[0][main.name]:
-            mesh = meshes[spec.name].mesh
-            tree["blocks"] = jax.tree.map(
-                lambda *xs, mesh=mesh: _stack(list(xs), mesh),
-                *[s[main.name]["blocks"] for s in stages],
-            )
-        if "post" in stages[-1][main.name]:
-            tree["post"] = stages[-1][main.name]["post"]
-        out[main.name] = tree
-        for part in spec.parts[1:]:
-            out[part.name] = stages[-1][part.name]
-    return out
+    """Per-stage parameter-shaped trees -> one tree keyed by part, full layer stacks
+    (each stacked leaf ONE global array on its module's mesh)."""
+    return merge_stages(graph, per_stage, lambda name, xs: _stack(xs, meshes[name].mesh))
 
 
 def split(spec: Any, stage: int, full: Mapping[str, Any], like: Any) -> Any:

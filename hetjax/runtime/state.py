@@ -68,22 +68,26 @@ def slice_stage(
     return sliced
 
 
-def full_params(graph: TrainGraph, params: Mapping[StageKey, Any]) -> dict[str, Any]:
-    """Every stage's parameters gathered into the single-device layout (host numpy).
-
-    The inverse of :func:`slice_stage` over all stages: blocks are concatenated in stage
-    order, ``pre`` comes from the first stage, ``post`` and further parts from the last.
-    """
+def merge_stages(
+    graph: TrainGraph,
+    per_stage: Mapping[StageKey, Any],
+    stack: Callable[[str, list], Any],
+) -> dict[str, Any]:
+    """Per-stage parameter-shaped trees -> one tree keyed by part name, the inverse of
+    :func:`slice_stage` over all stages: ``pre`` from the first stage, ``post`` and further
+    parts from the last, and each ``blocks`` leaf joined over the stages in order by
+    ``stack(module name, [leaf of stage 0, 1, ...])``."""
     out: dict[str, Any] = {}
     for spec in graph.modules:
         main = spec.parts[0]
-        stages = [jax.device_get(params[(spec.name, s)]) for s in range(spec.layout.pp)]
+        stages = [per_stage[(spec.name, s)] for s in range(spec.layout.pp)]
         tree = {}
         if "pre" in stages[0][main.name]:
             tree["pre"] = stages[0][main.name]["pre"]
         if "blocks" in stages[0][main.name]:
             tree["blocks"] = jax.tree.map(
-                lambda *xs: np.concatenate(xs), *[s[main.name]["blocks"] for s in stages]
+                lambda *xs, name=spec.name: stack(name, list(xs)),
+                *[s[main.name]["blocks"] for s in stages],
             )
         if "post" in stages[-1][main.name]:
             tree["post"] = stages[-1][main.name]["post"]
@@ -91,3 +95,9 @@ def full_params(graph: TrainGraph, params: Mapping[StageKey, Any]) -> dict[str, 
         for part in spec.parts[1:]:
             out[part.name] = stages[-1][part.name]
     return out
+
+
+def full_params(graph: TrainGraph, params: Mapping[StageKey, Any]) -> dict[str, Any]:
+    """Every stage's parameters gathered into the single-device layout (host numpy)."""
+    host = {key: jax.device_get(tree) for key, tree in params.items()}
+    return merge_stages(graph, host, lambda _, xs: np.concatenate(xs))
