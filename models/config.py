@@ -6,6 +6,9 @@ Presets:
     tiny-av   - tiny with an image AND an audio encoder feeding the LLM.
     tiny-moe  - tiny with a mixture-of-experts LLM (8 experts, top-2, dropless).
     tiny-moe-enc - tiny with a mixture-of-experts vision encoder.
+    llava-1.5-7b, llava-1.5-13b - LLaVA-1.5: CLIP ViT-L/14-336 (576 image tokens, the
+        layers up to ``vision_feature_layer=-2``) + Vicuna-7B / 13B, exact GELU projector.
+    llava-1.5-tiny - the same architecture, depth- and width-reduced to run on a CPU.
 Shape-only presets at the paper's scale (``vit-1b`` ... ``llm-120b``) carry parameter
 counts and FLOPs per token for planning; they are never instantiated on CPU.
 """
@@ -31,9 +34,20 @@ class MoEConfig:
 
 @dataclasses.dataclass(frozen=True)
 class EncoderConfig:
-    """A pre-norm transformer encoder over patches (image) or stacked frames (audio)."""
+    """A pre-norm transformer encoder over patches (image) or stacked frames (audio).
 
-    kind: Literal["vit", "audio"]
+    ``kind``:
+        vit - hetjax's own ViT: patch embedding, GELU (tanh) MLP, final LayerNorm.
+        clip - Hugging Face ``CLIPVisionModel`` as LLaVA uses it: class token, pre-layernorm,
+            quick-GELU MLP, biased attention; ``depth`` counts the layers up to LLaVA's
+            ``vision_feature_layer`` and the class token is dropped before the projector.
+        siglip - ``SiglipVisionModel``: biased patch embedding, no class token, tanh-GELU
+            MLP, biased attention; ``depth`` layers, no final norm (LLaVA reads a hidden
+            state, which precedes SigLIP's ``post_layernorm``).
+        audio - stacked frames.
+    """
+
+    kind: Literal["vit", "clip", "siglip", "audio"]
     width: int  # model width D
     depth: int  # number of blocks
     heads: int  # attention heads (head dim = width // heads)
@@ -45,32 +59,55 @@ class EncoderConfig:
     frame_dim: int = 16  # audio: features per frame
     frame_stack: int = 2  # audio: consecutive frames merged into one token
     moe: MoEConfig | None = None  # mixture-of-experts MLP (SwiGLU experts) instead of GELU
+    norm_eps: float = 1e-6  # LayerNorm epsilon (CLIP: 1e-5)
+
+    @property
+    def is_image(self) -> bool:
+        return self.kind != "audio"
+
+    @property
+    def hf(self) -> bool:
+        """A Hugging Face architecture (biases everywhere, HF activations)."""
+        return self.kind in ("clip", "siglip")
+
+    @property
+    def act(self) -> str:
+        """MLP activation, by its Hugging Face name."""
+        return "quick_gelu" if self.kind == "clip" else "gelu_pytorch_tanh"
 
     @property
     def num_tokens(self) -> int:
-        """Tokens per sample at the encoder output."""
-        if self.kind == "vit":
+        """Tokens per sample at the encoder output (what the projector maps)."""
+        if self.is_image:
             return (self.image_size // self.patch) ** 2
         return self.frames // self.frame_stack
 
     @property
+    def block_tokens(self) -> int:
+        """Tokens per sample inside the blocks (CLIP adds its class token)."""
+        return self.num_tokens + (self.kind == "clip")
+
+    @property
     def token_in_dim(self) -> int:
         """Input features per token before the embedding matmul."""
-        if self.kind == "vit":
+        if self.is_image:
             return self.patch * self.patch * self.channels
         return self.frame_dim * self.frame_stack
 
     def num_params(self) -> int:
         d, f = self.width, self.mlp
+        biases = self.hf * (4 * d + d)  # qkv + out, MLP down
         mlp = self.moe.num_params(d, f) if self.moe else 2 * d * f + f  # (+up bias)
-        block = 4 * d * d + mlp + 4 * d  # qkv+out, MLP, 2 LayerNorms
-        return self.token_in_dim * d + d + self.num_tokens * d + self.depth * block + 2 * d
+        block = 4 * d * d + mlp + 4 * d + biases  # qkv+out, MLP, 2 LayerNorms
+        embed = self.token_in_dim * d + (self.kind != "clip") * d + self.block_tokens * d
+        extra = {"clip": 3 * d, "siglip": 0}.get(self.kind, 2 * d)  # cls + pre-LN / final LN
+        return embed + self.depth * block + extra
 
     def flops_per_token(self) -> int:
         """Forward+backward FLOPs per encoder token (6 x matmul params + attention)."""
         d = self.width
         matmul = self.depth * (4 * d * d + 2 * d * self.mlp) + self.token_in_dim * d
-        attention = self.depth * 2 * 2 * self.num_tokens * d  # QK^T and PV
+        attention = self.depth * 2 * 2 * self.block_tokens * d  # QK^T and PV
         return 6 * matmul + 3 * attention
 
 
@@ -87,6 +124,7 @@ class LLMConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     moe: MoEConfig | None = None  # mixture-of-experts FFN instead of the dense SwiGLU
+    tie_embeddings: bool = False  # LM head = embedding table (not supported for training)
 
     @property
     def head_dim(self) -> int:
@@ -120,6 +158,8 @@ class MLLMConfig:
     audio: EncoderConfig | None = None
     seq_len: int = 64  # default training sequence length
     shape_only: bool = False  # paper-scale preset: counts only, never instantiated
+    projector_act: str = "gelu_pytorch_tanh"  # HF name; LLaVA-1.5 uses exact "gelu"
+    image_token_id: int | None = None  # image placeholder id (None: the byte tokenizer's)
 
     @property
     def encoders(self) -> dict[str, EncoderConfig]:
@@ -147,6 +187,25 @@ _TINY_AUDIO = EncoderConfig(kind="audio", width=32, depth=4, heads=4, mlp=64)
 
 _TINY_MOE = MoEConfig(num_experts=8, top_k=2, capacity_factor=None)
 
+
+def _clip(width, depth, heads, mlp, image_size, patch) -> EncoderConfig:
+    return EncoderConfig(
+        kind="clip",
+        width=width,
+        depth=depth,
+        heads=heads,
+        mlp=mlp,
+        image_size=image_size,
+        patch=patch,
+        norm_eps=1e-5,
+    )
+
+
+# CLIP ViT-L/14-336 has 24 layers; LLaVA-1.5 reads hidden state -2, the output of layer 23.
+_CLIP_L_336 = _clip(1024, 23, 16, 4096, 336, 14)
+_VICUNA = dict(vocab=32064, rope_theta=10000.0, norm_eps=1e-5)
+_LLAVA = dict(projector_act="gelu", image_token_id=32000, seq_len=2048)
+
 PRESETS: dict[str, MLLMConfig] = {
     "tiny-moe": MLLMConfig(
         "tiny-moe", llm=dataclasses.replace(_TINY_LLM, moe=_TINY_MOE), vision=_TINY_VIT
@@ -165,6 +224,25 @@ PRESETS: dict[str, MLLMConfig] = {
             kind="vit", width=384, depth=8, heads=8, mlp=1536, image_size=32, patch=4
         ),
         seq_len=128,
+    ),
+    "llava-1.5-7b": MLLMConfig(
+        "llava-1.5-7b",
+        llm=LLMConfig(width=4096, depth=32, heads=32, kv_heads=32, mlp=11008, **_VICUNA),
+        vision=_CLIP_L_336,
+        **_LLAVA,
+    ),
+    "llava-1.5-13b": MLLMConfig(
+        "llava-1.5-13b",
+        llm=LLMConfig(width=5120, depth=40, heads=40, kv_heads=40, mlp=13824, **_VICUNA),
+        vision=_CLIP_L_336,
+        **_LLAVA,
+    ),
+    "llava-1.5-tiny": MLLMConfig(
+        "llava-1.5-tiny",
+        llm=_TINY_LLM,
+        vision=_clip(32, 4, 4, 64, 16, 4),
+        projector_act="gelu",
+        seq_len=64,
     ),
 }
 

@@ -54,6 +54,7 @@ class DataConfig:
     audio_frame_dim: int = 16
     audio_tokens: int = 0  # placeholder positions per clip (0: no audio modality)
     seed: int = 0
+    image_token_id: int = tokenizer.IMAGE  # the model's image placeholder id
 
     @classmethod
     def for_model(cls, cfg: MLLMConfig, *, seq_len: int, seed: int) -> DataConfig:
@@ -67,6 +68,7 @@ class DataConfig:
             audio_frame_dim=a.frame_dim if a else 16,
             audio_tokens=a.num_tokens if a else 0,
             seed=seed,
+            image_token_id=tokenizer.IMAGE if cfg.image_token_id is None else cfg.image_token_id,
         )
 
     @property
@@ -143,6 +145,7 @@ class SyntheticLlava:
         supervised[1 + len(prompt_ids) : len(seq)] = 1.0  # answer bytes + EOS
         seq += [tokenizer.PAD] * (c.seq_len + 1 - len(seq))
         ids = np.asarray(seq, np.int32)
+        ids[ids == tokenizer.IMAGE] = c.image_token_id
         out.update(tokens=ids[:-1], targets=ids[1:], loss_mask=supervised[1:])
         return out
 

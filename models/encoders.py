@@ -1,7 +1,12 @@
-"""Modality encoders (ViT image encoder, audio encoder) and the LLaVA-1.5 projector.
+"""Modality encoders (ViT, CLIP and SigLIP image towers, audio encoder) and the LLaVA-1.5
+projector.
 
 Each is a :class:`hetjax.StagedModule`: ``pre`` embeds the raw input into tokens,
-``blocks`` are identical pre-norm transformer blocks, ``post`` is the final norm.
+``blocks`` are identical pre-norm transformer blocks, ``post`` is the final norm (none
+for CLIP and SigLIP: LLaVA reads their hidden state before any final norm).
+
+Images are ``[B, H, W, C]`` (channels last); ``models.hf`` converts Hugging Face's
+``[B, C, H, W]`` pixel values and convolution kernels.
 """
 
 from __future__ import annotations
@@ -14,11 +19,21 @@ from flax import nnx
 
 from hetjax.modules import StagedModule
 from models.config import EncoderConfig
-from models.layers import Dense, EncoderBlock, LayerNorm, normal_param
+from models.layers import Dense, EncoderBlock, LayerNorm, activation, normal_param
+
+
+def patchify(images_BxHxWxC: jax.Array, patch: int) -> jax.Array:
+    """``[B, H, W, C]`` -> ``[B, N, p * p * C]``, patches in row-major order, each
+    flattened as ``(row, column, channel)``."""
+    b, h, w, c = images_BxHxWxC.shape
+    p = patch
+    x = images_BxHxWxC.reshape(b, h // p, p, w // p, p, c).transpose(0, 1, 3, 2, 4, 5)
+    return x.reshape(b, (h // p) * (w // p), p * p * c)
 
 
 class PatchEmbed(nnx.Module):
-    """Images ``[B, H, W, C]`` -> patch tokens ``[B, N, D]`` + learned positions."""
+    """Images ``[B, H, W, C]`` -> patch tokens ``[B, N, D]`` + learned positions (ViT,
+    SigLIP)."""
 
     def __init__(self, cfg: EncoderConfig, *, rngs: nnx.Rngs, dtype: Any):
         self.cfg = cfg
@@ -29,11 +44,28 @@ class PatchEmbed(nnx.Module):
         self.dtype = dtype
 
     def __call__(self, images_BxHxWxC: jax.Array) -> jax.Array:
-        b, h, w, c = images_BxHxWxC.shape
-        p = self.cfg.patch
-        x = images_BxHxWxC.reshape(b, h // p, p, w // p, p, c).transpose(0, 1, 3, 2, 4, 5)
-        patches_BxNxP = x.reshape(b, (h // p) * (w // p), p * p * c)
+        patches_BxNxP = patchify(images_BxHxWxC, self.cfg.patch)
         return self.proj(patches_BxNxP) + self.pos[...].astype(self.dtype)
+
+
+class ClipEmbed(nnx.Module):
+    """CLIP's embeddings: unbiased patch projection, a class token in front, learned
+    positions for ``N + 1`` tokens, then the pre-layernorm -> ``[B, N + 1, D]``."""
+
+    def __init__(self, cfg: EncoderConfig, *, rngs: nnx.Rngs, dtype: Any):
+        self.cfg = cfg
+        self.proj = Dense(cfg.token_in_dim, cfg.width, axes=(None, "embed"), rngs=rngs, dtype=dtype)
+        self.cls = normal_param(rngs, (cfg.width,), ("embed",))
+        self.pos = normal_param(rngs, (cfg.block_tokens, cfg.width), (None, "embed"))
+        self.norm = LayerNorm(cfg.width, eps=cfg.norm_eps, dtype=dtype)
+        self.dtype = dtype
+
+    def __call__(self, images_BxHxWxC: jax.Array) -> jax.Array:
+        patches_BxNxD = self.proj(patchify(images_BxHxWxC, self.cfg.patch))
+        b, _, d = patches_BxNxD.shape
+        cls_Bx1xD = jnp.broadcast_to(self.cls[...].astype(self.dtype), (b, 1, d))
+        x = jnp.concatenate([cls_Bx1xD, patches_BxNxD], axis=1)
+        return self.norm(x + self.pos[...].astype(self.dtype))
 
 
 class FrameEmbed(nnx.Module):
@@ -55,15 +87,17 @@ class FrameEmbed(nnx.Module):
 
 
 def make_encoder(name: str, cfg: EncoderConfig, dtype: Any = jnp.float32) -> StagedModule:
-    """A ViT (``cfg.kind == "vit"``) or audio encoder as a stage-sliceable module."""
-    embed_cls = PatchEmbed if cfg.kind == "vit" else FrameEmbed
+    """An image (``vit``, ``clip``, ``siglip``) or audio encoder as a stage-sliceable
+    module."""
+    embed_cls = {"clip": ClipEmbed, "audio": FrameEmbed}.get(cfg.kind, PatchEmbed)
+    block_kwargs = dict(bias=True, act=cfg.act, eps=cfg.norm_eps) if cfg.hf else {}
     return StagedModule(
         name,
         pre=lambda rngs: embed_cls(cfg, rngs=rngs, dtype=dtype),
         block=lambda rngs: EncoderBlock(
-            cfg.width, cfg.heads, cfg.mlp, rngs=rngs, dtype=dtype, moe=cfg.moe
+            cfg.width, cfg.heads, cfg.mlp, rngs=rngs, dtype=dtype, moe=cfg.moe, **block_kwargs
         ),
-        post=lambda rngs: LayerNorm(cfg.width, dtype=dtype),
+        post=None if cfg.hf else (lambda rngs: LayerNorm(cfg.width, dtype=dtype)),
         num_layers=cfg.depth,
     )
 
@@ -71,16 +105,39 @@ def make_encoder(name: str, cfg: EncoderConfig, dtype: Any = jnp.float32) -> Sta
 class Projector(nnx.Module):
     """LLaVA-1.5 projector: Linear -> GELU -> Linear, encoder width -> LLM width.
 
-    Column-parallel then row-parallel over ``"mlp"``, as a Megatron MLP.
+    Column-parallel then row-parallel over ``"mlp"``, as a Megatron MLP. ``skip`` leading
+    tokens are dropped first (LLaVA's ``vision_feature_select_strategy="default"`` drops
+    CLIP's class token).
     """
 
-    def __init__(self, d_in: int, d_out: int, *, rngs: nnx.Rngs, dtype: Any):
+    def __init__(
+        self,
+        d_in: int,
+        d_out: int,
+        *,
+        rngs: nnx.Rngs,
+        dtype: Any,
+        act: str = "gelu_pytorch_tanh",
+        skip: int = 0,
+    ):
         self.fc1 = Dense(d_in, d_out, axes=("embed", "mlp"), rngs=rngs, use_bias=True, dtype=dtype)
         self.fc2 = Dense(d_out, d_out, axes=("mlp", "embed"), rngs=rngs, use_bias=True, dtype=dtype)
+        self.act, self.skip = act, skip
 
     def __call__(self, x_BxNxE: jax.Array) -> jax.Array:
-        return self.fc2(jax.nn.gelu(self.fc1(x_BxNxE)))
+        return self.fc2(activation(self.act)(self.fc1(x_BxNxE[:, self.skip :])))
 
 
-def make_projector(name: str, d_in: int, d_out: int, dtype: Any = jnp.float32) -> StagedModule:
-    return StagedModule(name, pre=lambda rngs: Projector(d_in, d_out, rngs=rngs, dtype=dtype))
+def make_projector(
+    name: str,
+    d_in: int,
+    d_out: int,
+    dtype: Any = jnp.float32,
+    *,
+    act: str = "gelu_pytorch_tanh",
+    skip: int = 0,
+) -> StagedModule:
+    return StagedModule(
+        name,
+        pre=lambda rngs: Projector(d_in, d_out, rngs=rngs, dtype=dtype, act=act, skip=skip),
+    )

@@ -80,6 +80,22 @@ class LayerNorm(nnx.Module):
         return (y * self.scale[...] + self.bias[...]).astype(self.dtype)
 
 
+ACTIVATIONS = {  # Hugging Face activation names
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
+    "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x),
+    "silu": jax.nn.silu,
+}
+
+
+def activation(name: str):
+    """The activation called ``name`` in Hugging Face configs (``hidden_act``)."""
+    if name not in ACTIVATIONS:
+        raise ValueError(f"unknown activation {name!r}: use one of {', '.join(ACTIVATIONS)}")
+    return ACTIVATIONS[name]
+
+
 def rope_angles(positions_L: jax.Array, head_dim: int, theta: float) -> jax.Array:
     """Rotation angles ``[L, K/2]``: ``pos * theta^(-2i/K)``."""
     inv_freq = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
@@ -152,7 +168,11 @@ class MoEMLP(nnx.Module):
 
 
 class EncoderBlock(nnx.Module):
-    """Pre-norm ViT block: LayerNorm -> bidirectional MHA -> LayerNorm -> GELU MLP."""
+    """Pre-norm ViT block: LayerNorm -> bidirectional MHA -> LayerNorm -> MLP.
+
+    ``bias=True`` gives the attention projections and the MLP's down projection biases
+    (CLIP, SigLIP); ``act`` is the MLP activation by its Hugging Face name.
+    """
 
     def __init__(
         self,
@@ -163,18 +183,28 @@ class EncoderBlock(nnx.Module):
         rngs: nnx.Rngs,
         dtype: Any,
         moe: MoEConfig | None = None,
+        bias: bool = False,
+        act: str = "gelu_pytorch_tanh",
+        eps: float = 1e-6,
     ):
         self.heads = heads
-        self.norm1 = LayerNorm(width, dtype=dtype)
-        self.qkv = Dense(width, 3 * width, axes=("embed", "heads"), rngs=rngs, dtype=dtype)
-        self.out = Dense(width, width, axes=("heads", "embed"), rngs=rngs, dtype=dtype)
-        self.norm2 = LayerNorm(width, dtype=dtype)
+        self.act = act
+        self.norm1 = LayerNorm(width, eps=eps, dtype=dtype)
+        self.qkv = Dense(
+            width, 3 * width, axes=("embed", "heads"), rngs=rngs, use_bias=bias, dtype=dtype
+        )
+        self.out = Dense(
+            width, width, axes=("heads", "embed"), rngs=rngs, use_bias=bias, dtype=dtype
+        )
+        self.norm2 = LayerNorm(width, eps=eps, dtype=dtype)
         self.moe = MoEMLP(width, mlp, moe, rngs=rngs, dtype=dtype) if moe else None
         if moe is None:
             self.up = Dense(
                 width, mlp, axes=("embed", "mlp"), rngs=rngs, use_bias=True, dtype=dtype
             )
-            self.down = Dense(mlp, width, axes=("mlp", "embed"), rngs=rngs, dtype=dtype)
+            self.down = Dense(
+                mlp, width, axes=("mlp", "embed"), rngs=rngs, use_bias=bias, dtype=dtype
+            )
 
     def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
         b, l, d = x_BxLxD.shape
@@ -196,7 +226,8 @@ class EncoderBlock(nnx.Module):
         h = parallel.enter_tensor_parallel(self.norm2(x_BxLxD))
         if self.moe is not None:
             return x_BxLxD + parallel.exit_tensor_parallel(self.moe(h))
-        return x_BxLxD + parallel.exit_tensor_parallel(self.down(jax.nn.gelu(self.up(h))))
+        hidden = activation(self.act)(self.up(h))
+        return x_BxLxD + parallel.exit_tensor_parallel(self.down(hidden))
 
 
 class DecoderBlock(nnx.Module):

@@ -51,9 +51,22 @@ class MLLM:
             if enc is None:
                 continue
             self.modules[enc_name] = make_encoder(enc_name, enc, dtype)
-            self.modules[proj_name] = make_projector(proj_name, enc.width, config.llm.width, dtype)
-            placeholders[modality] = tokenizer.PLACEHOLDERS[modality]
+            self.modules[proj_name] = make_projector(
+                proj_name,
+                enc.width,
+                config.llm.width,
+                dtype,
+                act=config.projector_act,
+                skip=enc.block_tokens - enc.num_tokens,
+            )
+            placeholders[modality] = self.placeholder(modality)
         self.modules["llm"] = make_llm(config.llm, placeholders, dtype)
+
+    def placeholder(self, modality: str) -> int:
+        """The token id that marks ``modality``'s positions in the sequence."""
+        if modality == "image" and self.config.image_token_id is not None:
+            return self.config.image_token_id
+        return tokenizer.PLACEHOLDERS[modality]
 
     @property
     def modalities(self) -> list[str]:
@@ -115,7 +128,7 @@ class MLLM:
                 loss_inputs=("targets", "loss_mask"),
                 seq_inputs=("tokens", "targets", "loss_mask"),
                 token_slots=tuple(
-                    (link.name, "tokens", tokenizer.PLACEHOLDERS[link.name]) for link in links
+                    (link.name, "tokens", self.placeholder(link.name)) for link in links
                 ),
             )
         )
@@ -158,5 +171,5 @@ class MLLM:
                     layers=c.depth,
                     mlp=c.mlp,
                     experts=c.moe.num_experts if c.moe else None,
-                    seq=c.num_tokens,  # an encoder with cp > 1 splits its tokens over cp
+                    seq=c.block_tokens,  # an encoder with cp > 1 splits its tokens over cp
                 )

@@ -142,11 +142,16 @@ class StagedModule:
 
     # -- application --------------------------------------------------------------------
 
+    def bind(self, part: str, params: Params) -> nnx.Module:
+        """Part ``pre``/``post`` as an NNX module holding ``params`` (to call any of its
+        methods, e.g. the LM head's ``logits``)."""
+        return nnx.merge(self._defs[part], params)
+
     def apply_pre(self, params: Params, *args: Any, **kwargs: Any) -> Any:
-        return nnx.merge(self._defs["pre"], params)(*args, **kwargs)
+        return self.bind("pre", params)(*args, **kwargs)
 
     def apply_post(self, params: Params, *args: Any, **kwargs: Any) -> Any:
-        return nnx.merge(self._defs["post"], params)(*args, **kwargs)
+        return self.bind("post", params)(*args, **kwargs)
 
     def apply_blocks(
         self,
