@@ -55,6 +55,14 @@ def _placement(mode: str) -> str:
 
 FLAGS: tuple[Flag, ...] = (
     Flag("--model", "model.preset", str, metavar="PRESET"),
+    Flag("--init-from", "model.init_from", str, metavar="DIR"),
+    Flag(
+        "--init",
+        "model.init",
+        metavar="MODULE=DIR",
+        help="start a module from a Hugging Face checkpoint: vision=CLIP_OR_SIGLIP_DIR, "
+        "llm=LLAMA_DIR (repeatable; the projector and the rest start fresh)",
+    ),
     Flag("--steps", "steps", positive_int),
     Flag("--stop-after", "stop_after", positive_int, metavar="N"),
     Flag("--skip-nonfinite-steps", "skip_nonfinite_steps", non_negative_int, metavar="N"),

@@ -75,7 +75,7 @@ def main(config: TrainConfig) -> int:
         run = _plan(config, devices)  # every check; no parameter exists yet
         ckpt = _checkpointer(config)  # before training: the directory is usable
         resume = ckpt is not None and ckpt.latest_step() is not None
-        trainer = _trainer(config, run, devices, init=not resume)
+        trainer = _trainer(config, run, devices, init=not resume, lead=lead)
         if ckpt is not None:
             ckpt.check_savable(trainer)
         start = _resume(ckpt, trainer, lead) if resume else 0
@@ -172,11 +172,10 @@ def _plan(config: TrainConfig, devices: Sequence[Any]) -> _Run:
 
     import hetjax
     import hetjax.config as hc
-    from models.config import get_preset
     from models.data import DataConfig, SyntheticLlava
     from models.mllm import MLLM
 
-    preset = get_preset(config.model.preset)
+    preset = _model_config(config.model)
     seq_len = config.model.seq_len or preset.seq_len
     dataset = SyntheticLlava(DataConfig.for_model(preset, seq_len=seq_len, seed=config.seed))
     o = config.optimizer
@@ -216,17 +215,61 @@ def _plan(config: TrainConfig, devices: Sequence[Any]) -> _Run:
     return _Run(model, dataset, seq_len, optimizer, plan, text)
 
 
-def _trainer(config: TrainConfig, run: _Run, devices: Sequence[Any], *, init: bool = True):
+def _model_config(m: Any) -> Any:
+    """The model: a preset, a Hugging Face LLaVA's config.json, or a preset with parts
+    from Hugging Face checkpoints (reads configs only, no weights)."""
+    from models.config import get_preset
+
+    if m.init_from:
+        from models import hf
+
+        return hf.llava_config_of(m.init_from)
+    preset = get_preset(m.preset)
+    if m.init:
+        from models import hf
+
+        return hf.parts_config(m.init, preset)
+    return preset
+
+
+def _initial_params(config: TrainConfig, run: _Run, lead: bool) -> Any:
+    """Fresh parameters, or lazily read Hugging Face weights (each process then reads only
+    what its devices hold when the trainer places them)."""
+    import jax
+
+    key = jax.random.key(config.seed)
+    m = config.model
+    if not (m.init_from or m.init):
+        return run.model.init(key)
+    from models import hf
+
+    if m.init_from:
+        params, report = hf.read_llava(run.model, m.init_from, lazy=True)
+    else:
+        params, report = hf.read_parts(run.model, m.init, key=key, lazy=True)
+    if lead:
+        for line in report.lines():
+            print(line, flush=True)
+    return params
+
+
+def _trainer(
+    config: TrainConfig,
+    run: _Run,
+    devices: Sequence[Any],
+    *,
+    init: bool = True,
+    lead: bool = True,
+):
     """The parameters (the run's first compiles) and the trainer that owns them.
 
     ``init=False``: a checkpoint will be restored, so the executor builds no parameters
     (the reference trainer does, and they are overwritten)."""
-    import jax
 
     import hetjax
 
     if run.plan is None or init:
-        params = run.model.init(jax.random.key(config.seed))
+        params = _initial_params(config, run, lead and init)
     else:
         params = None
     if run.plan is None:
@@ -293,10 +336,15 @@ def _metadata(config: TrainConfig, run: _Run, step: int) -> dict[str, Any]:
     """What a checkpoint records besides the arrays: enough to say what it is and to
     continue the data stream (synthetic data is a function of seed and step)."""
     import hetjax.config as hc
+    from models.config import config_to_dict
 
     return {
         "config": hc.to_dict(config),
-        "model": {"preset": run.model.config.name, "params": run.model.num_params()},
+        "model": {
+            "preset": run.model.config.name,
+            "params": run.model.num_params(),
+            "config": config_to_dict(run.model.config),  # what experiments.export rebuilds
+        },
         "data": {"kind": "synthetic", "seed": config.seed, "next_step": step},
         "rng": {"init_seed": config.seed},
         "layout": run.layout_text,

@@ -292,3 +292,23 @@ def get_preset(name: str) -> MLLMConfig:
             f"unknown model preset {name!r}: choose one of {', '.join(sorted(PRESETS))}"
         )
     return PRESETS[name]
+
+
+def config_to_dict(cfg: MLLMConfig) -> dict:
+    """The config as plain data (JSON), e.g. for a checkpoint's metadata."""
+    return dataclasses.asdict(cfg)
+
+
+def config_from_dict(d: dict) -> MLLMConfig:
+    """Inverse of :func:`config_to_dict`."""
+
+    def moe(x):
+        return None if x is None else MoEConfig(**x)
+
+    def encoder(x):
+        return None if x is None else EncoderConfig(**{**x, "moe": moe(x.get("moe"))})
+
+    llm = LLMConfig(**{**d["llm"], "moe": moe(d["llm"].get("moe"))})
+    return MLLMConfig(
+        **{**d, "llm": llm, "vision": encoder(d.get("vision")), "audio": encoder(d.get("audio"))}
+    )

@@ -19,7 +19,7 @@ import dataclasses
 import numpy as np
 
 from models import tokenizer
-from models.config import MLLMConfig
+from models.config import TOKENIZER_VOCAB, MLLMConfig
 
 COLORS = {
     "red": (1.0, 0.1, 0.1),
@@ -58,6 +58,11 @@ class DataConfig:
 
     @classmethod
     def for_model(cls, cfg: MLLMConfig, *, seq_len: int, seed: int) -> DataConfig:
+        if cfg.llm.vocab < TOKENIZER_VOCAB:
+            raise ValueError(
+                f"the synthetic data's byte tokenizer needs a vocabulary of {TOKENIZER_VOCAB} "
+                f"ids, the model has {cfg.llm.vocab}; train a model with a larger vocabulary"
+            )
         v, a = cfg.vision, cfg.audio
         return cls(
             seq_len=seq_len,

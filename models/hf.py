@@ -1,8 +1,9 @@
 """Hugging Face weights in and out: LLaVA (CLIP or SigLIP + Llama) and its parts.
 
     >>> model, params = hf.load("llava-1.5-7b-hf")            # LlavaForConditionalGeneration
-    >>> model, params = hf.load_parts({"vision": "clip-vit-large-patch14-336",
-    ...                                "llm": "vicuna-7b-v1.5"})  # fresh projector
+    >>> dirs = {"vision": "clip-vit-large-patch14-336", "llm": "vicuna-7b-v1.5"}
+    >>> model = MLLM(hf.parts_config(dirs, get_preset("llava-1.5-7b")))
+    >>> params, report = hf.read_parts(model, dirs, key=jax.random.key(0))  # new projector
     >>> logits = hf.logits(model, params, input_ids, pixel_values)
     >>> hf.save(model, params, "out-hf")                     # from_pretrained loads it
 
@@ -548,16 +549,22 @@ def load(
 ) -> tuple[MLLM, dict[str, Any]]:
     """A LLaVA checkpoint directory -> ``(model, params)``; the model config comes from
     its ``config.json``. ``lazy=True``: :class:`LazyTensor` leaves (read on placement)."""
-    model, params, _ = load_with_report(path, lazy=lazy, dtype=dtype)
+    model = MLLM(llava_config_of(path), dtype=dtype)
+    params, _ = read_llava(model, path, lazy=lazy)
     return model, params
 
 
-def load_with_report(
-    path: str | os.PathLike, *, lazy: bool = False, dtype: Any = jnp.float32
-) -> tuple[MLLM, dict[str, Any], LoadReport]:
+def llava_config_of(path: str | os.PathLike) -> MLLMConfig:
+    """The :class:`MLLMConfig` of a LLaVA checkpoint directory (reads ``config.json``)."""
     path = pathlib.Path(path)
-    config = llava_config(_read_config(path), name=path.name or "hf-llava")
-    model = MLLM(config, dtype=dtype)
+    return llava_config(_read_config(path), name=path.resolve().name or "hf-llava")
+
+
+def read_llava(
+    model: MLLM, path: str | os.PathLike, *, lazy: bool = False
+) -> tuple[dict[str, Any], LoadReport]:
+    """``model``'s parameters from a LLaVA checkpoint directory, and what was read."""
+    path = pathlib.Path(path)
     files = _Files(path)
     report, params = LoadReport(), {}
     used: set[str] = set()
@@ -567,32 +574,35 @@ def load_with_report(
         used |= _used(model, module, tensors)
         report.sources[module] = str(path)
     report.unused[str(path)] = sorted(set(files.where) - used)
-    return model, params, report
+    return params, report
 
 
-def load_parts(
-    dirs: Mapping[str, str | os.PathLike],
-    base: MLLMConfig,
-    *,
-    key: jax.Array | None = None,
-    lazy: bool = False,
-    dtype: Any = jnp.float32,
-) -> tuple[MLLM, dict[str, Any], LoadReport]:
-    """Separate checkpoints per module (``{"vision": CLIP_DIR, "llm": LLAMA_DIR}``) ->
-    ``(model, params, report)``. Modules not named keep ``base``'s config and a fresh
-    initialisation from ``key``; a named module's config comes from its directory."""
+def parts_config(dirs: Mapping[str, str | os.PathLike], base: MLLMConfig) -> MLLMConfig:
+    """``base`` with the vision tower and/or LLM of separate checkpoints
+    (``{"vision": CLIP_DIR, "llm": LLAMA_DIR}``), from their ``config.json``."""
     unknown = sorted(set(dirs) - {"vision", "llm"})
     if unknown:
-        raise HFError(f"--init {unknown[0]}=...: only vision and llm load from checkpoints")
-    configs = {n: _read_config(pathlib.Path(d)) for n, d in dirs.items()}
+        raise HFError(f"init {unknown[0]!r}: only vision and llm load from checkpoints")
     config = base
-    if "vision" in configs:
-        config = dataclasses.replace(config, vision=vision_config(configs["vision"]))
-    if "llm" in configs:
-        text = configs["llm"]
+    if "vision" in dirs:
+        vision = vision_config(_read_config(pathlib.Path(dirs["vision"])))
+        config = dataclasses.replace(config, vision=vision, projector_act="gelu")
+    if "llm" in dirs:
+        text = _read_config(pathlib.Path(dirs["llm"]))
         config = dataclasses.replace(config, llm=llm_config(text), seq_len=_seq_len(text))
-    model = MLLM(config, dtype=dtype)
-    fresh = model.init(jax.random.key(0) if key is None else key)
+    return config
+
+
+def read_parts(
+    model: MLLM,
+    dirs: Mapping[str, str | os.PathLike],
+    *,
+    key: jax.Array,
+    lazy: bool = False,
+) -> tuple[dict[str, Any], LoadReport]:
+    """``model``'s parameters: the modules in ``dirs`` from their checkpoints, the others
+    (e.g. the projector) freshly initialised from ``key`` as :meth:`MLLM.init` does."""
+    fresh = model.init(key)
     params = {k: v for k, v in fresh.items() if k not in dirs}
     report = LoadReport()
     for module, d in dirs.items():
@@ -603,7 +613,7 @@ def load_parts(
         report.unused[str(d)] = sorted(set(files.where) - _used(model, module, tensors))
     for module in fresh:
         report.sources.setdefault(module, "a fresh initialisation")
-    return model, params, report
+    return params, report
 
 
 # -- saving ------------------------------------------------------------------------------

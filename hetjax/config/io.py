@@ -153,6 +153,10 @@ def dump(cfg: TrainConfig) -> str:
     return "\n".join(lines) + "\n"
 
 
+_ITEM_SEPARATOR = {"model.init": "="}  # MODULE=DIR (a path may hold ':'); others MODULE:VALUE
+_ITEM_VALUE = {":": "LAYOUT", "=": "DIR"}
+
+
 def parse_module_items(items: Iterable[str], *, path: str, counts: bool = False) -> dict:
     """``["vision:dp=4", "llm:dp=2,tp=2"]`` -> ``{"vision": "dp=4", "llm": "dp=2,tp=2"}``.
 
@@ -166,9 +170,10 @@ def parse_module_items(items: Iterable[str], *, path: str, counts: bool = False)
             positive int, or a module named twice.
     """
     out: dict[str, Any] = {}
-    want = "MODULE:N with N a positive integer" if counts else "MODULE:LAYOUT"
+    mark = _ITEM_SEPARATOR.get(path, ":")
+    want = "MODULE:N with N a positive integer" if counts else f"MODULE{mark}{_ITEM_VALUE[mark]}"
     for item in items:
-        name, sep, value = str(item).partition(":")
+        name, sep, value = str(item).partition(mark)
         ok = sep and name and value and (not counts or (value.isdigit() and int(value) >= 1))
         if not ok:
             raise InvalidConfigError(f"{path} {item!r}: expected {want}")

@@ -39,7 +39,19 @@ def doc(default: Any, text: str) -> Any:
 class ModelConfig:
     """What is trained: a preset of ``models/config.py`` and its compute settings."""
 
-    preset: str = doc("tiny", "model preset: tiny, tiny-av, tiny-moe, tiny-moe-enc, small")
+    preset: str = doc(
+        "tiny", "model preset: tiny, tiny-av, tiny-moe, tiny-moe-enc, small, llava-1.5-tiny, ..."
+    )
+    init_from: str | None = doc(
+        None,
+        "Hugging Face LLaVA checkpoint directory to start from (the model comes from its "
+        "config.json: no preset)",
+    )
+    init: dict[str, str] = doc(
+        {},
+        "module -> Hugging Face checkpoint directory to start it from (vision: CLIP or "
+        "SigLIP, llm: Llama); the other modules keep the preset, freshly initialised",
+    )
     seq_len: int | None = doc(None, "text + media tokens per sample (None: the preset's)")
     dtype: Literal["float32", "bfloat16"] = doc(
         "float32", "compute dtype: float32 or bfloat16 (parameters stay float32)"
@@ -203,6 +215,18 @@ def check(cfg: TrainConfig) -> None:
         raise InvalidConfigError(
             f"stop_after={cfg.stop_after} is past the run's steps={cfg.steps}; give a step "
             f"of the run (1..{cfg.steps})"
+        )
+    m = cfg.model
+    if m.init_from and (m.init or m.preset != "tiny"):
+        other = "model.init" if m.init else f"model.preset={m.preset!r}"
+        raise InvalidConfigError(
+            f"model.init_from takes the whole model from its config.json; drop {other}"
+        )
+    if set(m.init) - {"vision", "llm"}:
+        bad = sorted(set(m.init) - {"vision", "llm"})[0]
+        raise InvalidConfigError(
+            f"model.init names {bad!r}: only 'vision' (CLIP/SigLIP) and 'llm' (Llama) start "
+            "from Hugging Face checkpoints"
         )
     if cfg.checkpoint.save_every is not None and not cfg.checkpoint.dir:
         raise InvalidConfigError(

@@ -71,10 +71,15 @@ def zero1_sharding(sharding: NamedSharding, shape: tuple[int, ...]) -> NamedShar
 
 def put_global(value: Any, sharding: NamedSharding) -> jax.Array:
     """A global array from a host value that every process holds; only local shards are
-    built, so this works when ``sharding`` spans several processes."""
-    value = np.asarray(value)
+    built, so this works when ``sharding`` spans several processes.
+
+    ``value`` may be a lazy array-like (``shape``, ``dtype`` and slicing that reads, e.g.
+    :class:`models.hf.LazyTensor` or a numpy memmap): then only the slices of this
+    process's shards are read."""
+    if isinstance(value, jax.Array) or not hasattr(value, "__getitem__"):
+        value = np.asarray(value)
     return jax.make_array_from_callback(
-        value.shape, sharding, lambda idx: value[idx], dtype=value.dtype
+        value.shape, sharding, lambda idx: np.asarray(value[idx]), dtype=value.dtype
     )
 
 
@@ -188,8 +193,7 @@ class StageProgram:
         )
 
     def place_params(self, full: dict[str, Any]) -> dict[str, Any]:
-        host = jax.device_get(self.slice_params(full))
-        return jax.tree.map(put_global, host, self.param_shardings)
+        return jax.tree.map(put_global, self.slice_params(full), self.param_shardings)
 
     # -- the stage function -------------------------------------------------------------
 

@@ -87,7 +87,9 @@ class ReferenceTrainer:
         # A copy: the step donates its parameters, and the caller may still hold `params`.
         # (`device_put(..., may_alias=False)` is not enough: onto a multi-device mesh it
         # still reuses the caller's buffer for the shard on the array's own device.)
-        self.params = jax.device_put(jax.tree.map(jnp.copy, params), replicated)
+        self.params = jax.device_put(
+            jax.tree.map(lambda a: jnp.array(a, copy=True), params), replicated
+        )
         self.opt_state = jax.jit(optimizer.init, out_shardings=replicated)(self.params)
 
         def train_step(params, opt_state, batch_MxB):

@@ -35,6 +35,8 @@ class TrainState:
 
 
 def _rows(a: Any, start: int, stop: int) -> Any:
+    if hasattr(a, "rows"):  # a lazy leaf (models.hf.LazyTensor): cut without reading
+        return a.rows(start, stop)
     return a[start:stop] if hasattr(a, "shape") else a
 
 
