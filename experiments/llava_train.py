@@ -39,6 +39,9 @@ _PER_PROCESS = (
     "distributed.process_id",
     "logging.metrics",
     "logging.timeline",
+    "logging.tensorboard",
+    "logging.profile_dir",
+    "logging.plot",
 )
 
 
@@ -67,9 +70,8 @@ def main(config: TrainConfig) -> int:
         except ValueError as e:
             raise ConfigError(str(e)) from None
     lead = jax.process_index() == 0  # prints and writes files
-    if lead:
-        with _stop_peers_on_error(multi):  # only process 0 checks where it writes
-            _check_output_dirs(config)
+    with _stop_peers_on_error(multi):  # process 0 checks where it writes, each its trace's
+        _check_output_dirs(config, lead=lead)
     # The settings agree, so a bad one fails alike on every process (a normal exit).
     with errors_as_flags():
         run = _plan(config, devices)  # every check; no parameter exists yet
@@ -99,20 +101,46 @@ def main(config: TrainConfig) -> int:
         return metrics
 
     tokens = config.data.global_batch * run.seq_len
+    traced = logging.profile_range  # every process traces its own programs
+    profiler = traced and hetjax.StepProfiler(step, *traced, logging.profile_dir)
     try:
-        hetjax.run_training(step, end, tokens_per_step=tokens, hooks=[*hooks, guard], start=start)
+        hetjax.run_training(
+            profiler or step, end, tokens_per_step=tokens, hooks=[*hooks, guard], start=start
+        )
     except hetjax.runtime.NonFiniteError as e:
         raise ConfigError(str(e)) from None
     finally:
+        if profiler:
+            profiler.close()  # a run that stopped inside the range still writes its trace
         if ckpt is not None:
             ckpt.close()  # waits for the last writes
-    if logging.timeline and lead:
+    if lead:
+        _report_outputs(config, trainer, multi)
+    return 0
+
+
+def _report_outputs(config: TrainConfig, trainer, multi: bool) -> None:
+    """Process 0 says where the run's traces, plots and event files are."""
+    logging = config.logging
+    if logging.timeline:
         timeline = trainer.timeline()
         timeline.to_png(logging.timeline)
+        trace = timeline.to_chrome_trace(_beside(logging.timeline, ".trace.json"))
         bubbles = ", ".join(f"{b:.2f}" for b in timeline.bubble)
         note = " (stages on other processes were not timed here: read as 0)" if multi else ""
         print(f"timeline: {logging.timeline} (simulated bubble per stage: {bubbles}){note}")
-    return 0
+        print(f"timeline trace: {trace} (open in ui.perfetto.dev)")
+    if logging.profile_dir:
+        print(f"profile: {logging.profile_dir} (tensorboard --logdir {logging.profile_dir})")
+    if logging.tensorboard:
+        print(f"tensorboard: {logging.tensorboard} (tensorboard --logdir {logging.tensorboard})")
+    if logging.plot:
+        print(f"plot: {logging.plot}")
+
+
+def _beside(path: str, suffix: str) -> str:
+    """``path`` with its extension replaced by ``suffix`` (``t.png`` -> ``t.trace.json``)."""
+    return os.path.splitext(path)[0] + suffix
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,17 +179,31 @@ def _join_job(config: TrainConfig) -> tuple[Any, list]:
     return info, devices
 
 
-def _check_output_dirs(config: TrainConfig) -> None:
-    for flag, path in (
-        ("--metrics", config.logging.metrics),
-        ("--timeline", config.logging.timeline),
-    ):
+def _check_output_dirs(config: TrainConfig, *, lead: bool) -> None:
+    """Before training: the folders of process 0's files exist and can be written, and
+    the directories (TensorBoard's on process 0, each process's trace) are writable."""
+    from hetjax.files import ensure_writable_dir
+
+    lg = config.logging
+    files = (("--metrics", lg.metrics), ("--timeline", lg.timeline), ("--plot", lg.plot))
+    for flag, path in files if lead else ():
         folder = os.path.dirname(os.path.abspath(path)) if path else None
         if folder and not os.path.isdir(folder):
             raise ConfigError(
                 f"{flag} {path}: directory {folder} does not exist; create it or write the "
                 "file elsewhere"
             )
+    dirs = [("--tensorboard", lg.tensorboard)] if lead else []
+    for flag, path in [*dirs, ("--profile-dir", lg.profile_dir)]:
+        if not path:
+            continue
+        try:
+            ensure_writable_dir(path)
+        except OSError as e:
+            raise ConfigError(
+                f"{flag} {path}: directory is not writable ({e.strerror or type(e).__name__}); "
+                "give a directory you can write"
+            ) from None
 
 
 def _plan(config: TrainConfig, devices: Sequence[Any]) -> _Run:
@@ -354,13 +396,18 @@ def _metadata(config: TrainConfig, run: _Run, step: int) -> dict[str, Any]:
 def _hooks(
     config: TrainConfig, run: _Run, devices: Sequence[Any], processes: int, start: int = 0
 ) -> list:
-    """Process 0's observers: metrics file, progress bar, run summary."""
+    """Process 0's observers: metrics file, TensorBoard, progress bar, plot, run summary."""
     import hetjax
 
     hooks: list = []
-    if config.logging.metrics:
-        hooks.append(hetjax.JsonlWriter(config.logging.metrics, append=start > 0))
-    hooks.append(hetjax.ProgressBar(config.stop_after or config.steps))
+    logging = config.logging
+    if logging.metrics:
+        hooks.append(hetjax.JsonlWriter(logging.metrics, append=start > 0))
+    if logging.tensorboard:
+        hooks.append(hetjax.TensorBoardWriter(logging.tensorboard, start=start))
+    hooks.append(hetjax.ProgressBar(config.stop_after or config.steps, start=start))
+    if logging.plot:
+        hooks.append(hetjax.MetricsPlot(logging.plot))
     counts = run.model.num_params()
     over = f" over {processes} processes" if processes > 1 else ""
     params = ", ".join(f"{k} {v:,}" for k, v in counts.items())

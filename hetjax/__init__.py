@@ -16,7 +16,9 @@ own parallel layout and devices. The public API:
   norm over all pipeline stages).
 - :class:`TrainState`, :class:`StepMetrics`, :class:`Observer` - the state pytree, one
   step's metrics, the hooks for compiles, dispatches, transfers and steps.
-- :func:`run_training` and hooks - the host loop, metrics file, progress bar, summary.
+- :func:`run_training` and hooks - the host loop, metrics file, progress bar, summary,
+  TensorBoard scalars (:class:`TensorBoardWriter`), end-of-run plots
+  (:class:`MetricsPlot`); :class:`StepProfiler` traces chosen steps with ``jax.profiler``.
 """
 
 from hetjax.meshes import Layout as Layout
@@ -26,6 +28,7 @@ from hetjax.modules import StagedModule as StagedModule
 from hetjax.runtime import Executor as Executor
 from hetjax.runtime import JsonlWriter as JsonlWriter
 from hetjax.runtime import Link as Link
+from hetjax.runtime import MetricsPlot as MetricsPlot
 from hetjax.runtime import ModuleSpec as ModuleSpec
 from hetjax.runtime import Observer as Observer
 from hetjax.runtime import OptimizerConfig as OptimizerConfig
@@ -34,7 +37,9 @@ from hetjax.runtime import ProgressBar as ProgressBar
 from hetjax.runtime import ReferenceTrainer as ReferenceTrainer
 from hetjax.runtime import RunPlan as RunPlan
 from hetjax.runtime import StepMetrics as StepMetrics
+from hetjax.runtime import StepProfiler as StepProfiler
 from hetjax.runtime import Summary as Summary
+from hetjax.runtime import TensorBoardWriter as TensorBoardWriter
 from hetjax.runtime import TrainGraph as TrainGraph
 from hetjax.runtime import TrainState as TrainState
 from hetjax.runtime import clip_by_global_norm as clip_by_global_norm
@@ -56,6 +61,7 @@ __all__ = [
     "Layout",
     "LayoutError",
     "Link",
+    "MetricsPlot",
     "ModuleSpec",
     "OptimizerConfig",
     "ParallelOptions",
@@ -63,7 +69,9 @@ __all__ = [
     "ProgressBar",
     "ReferenceTrainer",
     "StagedModule",
+    "StepProfiler",
     "Summary",
+    "TensorBoardWriter",
     "TrainGraph",
     "make_optimizer",
     "run_training",

@@ -39,7 +39,14 @@ NON_DEFAULT = {
     },
     "optimizer": {"lr": 1e-5, "warmup_steps": 0, "weight_decay": 0.0, "clip_norm": -1.0},
     "distributed": {"coordinator": "host:1234", "num_processes": 2, "process_id": 1},
-    "logging": {"metrics": "out dir/m: #1.jsonl", "timeline": "t.png"},
+    "logging": {
+        "metrics": "out dir/m: #1.jsonl",
+        "timeline": "t.png",
+        "tensorboard": "tb",
+        "profile_steps": "0:1",
+        "profile_dir": "prof",
+        "plot": "p.png",
+    },
 }
 
 
@@ -234,6 +241,22 @@ def test_print_config_reads_back_equal(tmp_path, capsys):
             r"^--island 'v:x': expected MODULE:N",
         ),
         (["--config", "/nonexistent/run.yaml"], r"config file '/nonexistent/run.yaml'"),
+        (
+            ["--profile-steps", "3:2", "--profile-dir", "d"],
+            r"^--profile-steps 3:2 starts after it ends; give A <= B, e\.g\. --profile-steps 2:3",
+        ),
+        (
+            ["--steps", "5", "--profile-steps", "3:7", "--profile-dir", "d"],
+            r"^--profile-steps 3:7 is outside the run \(metrics steps 0\.\.4\); .* 3:4$",
+        ),
+        (
+            ["--steps", "5", "--stop-after", "3", "--profile-steps", "2:3", "--profile-dir", "d"],
+            r"^--profile-steps 2:3 is outside the run \(metrics steps 0\.\.2\)",
+        ),
+        (["--profile-steps", "two", "--profile-dir", "d"], r"^--profile-steps two is not A:B"),
+        (["--profile-steps", "2:3"], r"^--profile-steps needs --profile-dir; give both"),
+        (["--profile-dir", "d"], r"^--profile-dir needs --profile-steps; give both"),
+        (["--plot", "run.jpg"], r"^--plot run\.jpg must be a \.png path"),
     ],
 )
 def test_bad_flags_are_one_line_in_flag_names(argv, pattern):

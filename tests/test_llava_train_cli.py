@@ -178,6 +178,16 @@ BAD_INPUT = {
         ["--metrics", "/nonexistent-hetjax-dir/m.jsonl"],
         [r"--metrics", r"/nonexistent-hetjax-dir", r"create"],
     ),
+    # A directory below a plain file cannot be made (also for root, unlike chmod).
+    "tensorboard-unwritable": (
+        ["--tensorboard", str(ROOT / "README.md" / "tb")],
+        [r"--tensorboard .*README\.md/tb: directory is not writable \(Not a directory\)", r"give"],
+    ),
+    "profile-outside-run": (
+        ["--steps", "5", "--profile-steps", "4:5", "--profile-dir", str(ROOT / "README.md")],
+        [r"--profile-steps 4:5 is outside the run \(metrics steps 0\.\.4\)", r"4:4"],
+    ),
+    "plot-not-png": (["--plot", "curves.svg"], [r"--plot curves\.svg must be a \.png path"]),
 }
 
 

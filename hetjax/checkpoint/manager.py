@@ -27,6 +27,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from hetjax.checkpoint import logical as lg
+from hetjax.files import ensure_writable_dir
 
 
 class CheckpointError(ValueError):
@@ -171,10 +172,7 @@ def _check_writable(directory: Path) -> None:
     """Creates ``directory`` and writes a probe file, so a bad directory fails now, not
     at the first save after hours of training."""
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        probe = directory / f".hetjax-write-probe-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
+        ensure_writable_dir(directory)
     except OSError as e:
         raise CheckpointError(
             f"checkpoint dir {directory} is not writable ({e.strerror or type(e).__name__}); "

@@ -18,6 +18,7 @@ literal (``parallel.microbatches=0``), which a CLI translates into its flag name
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from collections.abc import Mapping
@@ -143,6 +144,20 @@ class LoggingConfig:
 
     metrics: str | None = doc(None, "JSON Lines path for per-step metrics")
     timeline: str | None = doc(None, "PNG path: profile the last step, draw its Gantt chart")
+    tensorboard: str | None = doc(None, "directory for TensorBoard event files of every metric")
+    profile_steps: str | None = doc(
+        None, "'A:B': trace metrics steps A to B (0-based, inclusive) with jax.profiler"
+    )
+    profile_dir: str | None = doc(None, "directory of the jax.profiler trace (each process's own)")
+    plot: str | None = doc(None, "PNG path: loss, tokens/s and grad norms per module at the end")
+
+    @property
+    def profile_range(self) -> tuple[int, int] | None:
+        """``profile_steps`` as ``(A, B)`` (checked by :func:`check`), or None."""
+        if self.profile_steps is None:
+            return None
+        a, b = self.profile_steps.split(":")
+        return int(a), int(b)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,6 +247,7 @@ def check(cfg: TrainConfig) -> None:
         raise InvalidConfigError(
             "checkpoint.save_every needs checkpoint.dir; give the directory to save into"
         )
+    _check_logging(cfg)
     p = cfg.parallel
     if p.homogeneous and p.placement != "colocated":
         raise InvalidConfigError(
@@ -250,6 +266,41 @@ def check(cfg: TrainConfig) -> None:
                 raise InvalidConfigError(
                     f"{path} is a heterogeneous-executor option; drop parallel.reference"
                 )
+
+
+def _check_logging(cfg: TrainConfig) -> None:
+    """The profiled steps lie in the run and come with their directory; plots are PNG."""
+    lg = cfg.logging
+    if lg.plot is not None and not lg.plot.lower().endswith(".png"):
+        raise InvalidConfigError(
+            f"logging.plot={lg.plot!r} must be a .png path; give e.g. 'run.png'"
+        )
+    if (lg.profile_steps is None) != (lg.profile_dir is None):
+        given, missing = (
+            ("logging.profile_steps", "logging.profile_dir")
+            if lg.profile_dir is None
+            else ("logging.profile_dir", "logging.profile_steps")
+        )
+        raise InvalidConfigError(f"{given} needs {missing}; give both or neither")
+    if lg.profile_steps is None:
+        return
+    last = (cfg.stop_after or cfg.steps) - 1
+    if not re.fullmatch(r"\d+:\d+", lg.profile_steps):
+        raise InvalidConfigError(
+            f"profile_steps={lg.profile_steps!r} is not A:B; give two step numbers, e.g. "
+            f"profile_steps='{min(2, last)}:{min(3, last)}'"
+        )
+    a, b = lg.profile_range
+    if a > b:
+        raise InvalidConfigError(
+            f"profile_steps={lg.profile_steps!r} starts after it ends; give A <= B, e.g. "
+            f"profile_steps='{b}:{a}'"
+        )
+    if b > last:
+        raise InvalidConfigError(
+            f"profile_steps={lg.profile_steps!r} is outside the run (metrics steps 0..{last}); "
+            f"give steps within it, e.g. profile_steps='{min(a, last)}:{last}'"
+        )
 
 
 def sections() -> dict[str, type]:

@@ -25,6 +25,8 @@ from .plan import RunPlan as RunPlan
 from .plan import check_batch as check_batch
 from .plan import homogeneous_graph as homogeneous_graph
 from .plan import plan_run as plan_run
+from .plots import MetricsPlot as MetricsPlot
+from .profiling import StepProfiler as StepProfiler
 from .programs import ParallelOptions as ParallelOptions
 from .reduce import StepMetrics as StepMetrics
 from .reference import ReferenceTrainer as ReferenceTrainer
@@ -33,6 +35,7 @@ from .reference import split_microbatches as split_microbatches
 from .state import TrainState as TrainState
 from .state import full_params as full_params
 from .state import slice_stage as slice_stage
+from .tensorboard import TensorBoardWriter as TensorBoardWriter
 
 __all__ = [
     "Dispatch",
@@ -40,6 +43,7 @@ __all__ = [
     "Hook",
     "JsonlWriter",
     "Link",
+    "MetricsPlot",
     "ModuleSpec",
     "NonFiniteError",
     "NonFiniteGuard",
@@ -51,7 +55,9 @@ __all__ = [
     "ReferenceTrainer",
     "RunPlan",
     "StepMetrics",
+    "StepProfiler",
     "Summary",
+    "TensorBoardWriter",
     "TrainGraph",
     "TrainState",
     "Transfer",

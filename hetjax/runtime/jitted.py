@@ -5,10 +5,17 @@ listens for compiles, the first call with a new argument signature (tree structu
 shapes, dtypes, shardings) also lowers and compiles the function ahead of time and hands
 the ``Compiled`` object over; JAX shares that executable with the jitted call, so the
 program is still compiled once. Without such an observer no signature is computed.
+
+Every program is named after its stage and kind (:func:`program_name`, e.g.
+``llm_s1_bwd``): that name is the jitted function's, so XLA's module is ``jit_llm_s1_bwd``
+and a ``jax.profiler`` trace (TensorBoard's profile plugin, Perfetto) shows which stage
+program ran on which device; the body also runs under ``jax.named_scope`` of the name,
+so the HLO ops carry it in their metadata.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +32,23 @@ def signature(args: tuple) -> Any:
     )
 
 
+def program_name(stage: tuple[str, int], kind: str) -> str:
+    """The readable name of stage ``(module, index)``'s ``kind`` program: ``vision_s0_fwd``."""
+    return f"{stage[0]}_s{stage[1]}_{kind}"
+
+
+def _named(fn: Callable, name: str) -> Callable:
+    """``fn`` under ``name`` (what ``jax.jit`` names its module after) and its scope."""
+
+    @functools.wraps(fn)
+    def program(*args: Any, **kwargs: Any) -> Any:
+        with jax.named_scope(name):
+            return fn(*args, **kwargs)
+
+    program.__name__ = program.__qualname__ = name
+    return program
+
+
 class Program:
     """``jax.jit(fn, **jit_kwargs)`` of stage ``stage``, reporting compiles as ``kind``."""
 
@@ -37,7 +61,8 @@ class Program:
         observers: Observers,
         **jit_kwargs: Any,
     ):
-        self.jitted = jax.jit(fn, **jit_kwargs)
+        self.name = program_name(stage, kind)
+        self.jitted = jax.jit(_named(fn, self.name), **jit_kwargs)
         self.stage, self.kind = stage, kind
         self._observers = observers
         self._seen: set = set()

@@ -1,4 +1,4 @@
-"""The host training loop and its observers (metrics file, progress bar, summary).
+"""The host training loop and its stock observers (metrics file, progress, summary).
 
 The loop dispatches step N before it reads step N-1's metrics, so the host prepares and
 enqueues the next step while the devices still work on the previous one. Hooks only see
@@ -7,6 +7,7 @@ plain Python floats; they run on process 0 only (the caller passes none elsewher
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
 import sys
@@ -159,33 +160,60 @@ class JsonlWriter(Observer):
 
 
 class ProgressBar(Observer):
-    """A one-line progress bar on a terminal; a log line every ``every`` steps otherwise."""
+    """Progress with ``rich``: step, loss, tokens/s and ETA.
 
-    def __init__(self, total: int, *, stream: IO[str] | None = None, every: int = 10):
-        self.total = total
+    On a terminal a live bar (redrawn in place); otherwise (CI, SLURM logs, a pipe) plain
+    lines with the same fields every ``every`` steps and at the first and last, and no
+    control characters. ``rich`` rather than ``tqdm``: its console tells a terminal from
+    a file itself and never writes carriage returns or colour codes to a file, and it
+    estimates the ETA even when nothing is drawn live, so both outputs share one clock.
+
+    Args:
+        total: index one past the last step (``run_training``'s ``steps``).
+        stream: where to write (default: ``sys.stderr``).
+        every: steps between plain lines.
+        start: the first step (a resumed run).
+    """
+
+    def __init__(
+        self, total: int, *, stream: IO[str] | None = None, every: int = 10, start: int = 0
+    ):
+        from rich.console import Console
+        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.total, self.every = total, every
         self.stream = stream or sys.stderr
-        self.tty = self.stream.isatty()
-        self.every = every
+        self.console = Console(file=self.stream)
+        self.live = self.console.is_terminal
+        self.progress = Progress(
+            TextColumn("step {task.completed:>5.0f}/{task.total:.0f}"),
+            BarColumn(),
+            TextColumn("loss {task.fields[loss]:.4f}  {task.fields[tps]:,.0f} tok/s  eta"),
+            TimeRemainingColumn(),
+            console=self.console,
+            auto_refresh=False,
+            disable=not self.live,
+        )
+        self.task = self.progress.add_task("train", total=total, completed=start, loss=0, tps=0)
+        if self.live:
+            self.progress.start()
 
     def on_step(self, step: int, metrics: Mapping[str, float]) -> None:
         n = step + 1
-        text = (
-            f"step {n:>5}/{self.total}  loss {metrics['loss']:.4f}  "
-            f"{metrics['tokens_per_s']:,.0f} tok/s"
+        loss, tps = metrics["loss"], metrics["tokens_per_s"]
+        self.progress.update(self.task, completed=n, loss=loss, tps=tps, refresh=self.live)
+        if self.live or not (n % self.every == 0 or n == 1 or n == self.total):
+            return
+        left = self.progress.tasks[0].time_remaining
+        eta = "-" if left is None else str(datetime.timedelta(seconds=round(left)))
+        self.stream.write(
+            f"step {n:>5}/{self.total}  loss {loss:.4f}  {tps:,.0f} tok/s  eta {eta}\n"
         )
-        if self.tty:
-            width = 24
-            filled = int(width * n / self.total)
-            bar = "#" * filled + "." * (width - filled)
-            self.stream.write(f"\r[{bar}] {text}")
-            if n == self.total:
-                self.stream.write("\n")
-        elif n % self.every == 0 or n in (1, self.total):
-            self.stream.write(text + "\n")
         self.stream.flush()
 
     def on_end(self, history: Sequence[Mapping[str, float]]) -> None:
-        pass
+        if self.live:
+            self.progress.stop()
 
 
 class Summary(Observer):

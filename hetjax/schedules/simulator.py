@@ -124,6 +124,14 @@ class Timeline:
 
         return write_png(path, render_gantt(self, width=width, row_height=row_height))
 
+    def to_chrome_trace(self, path: str | pathlib.Path) -> pathlib.Path:
+        """Write the timeline (times in seconds) as a Chrome trace JSON that Perfetto
+        (ui.perfetto.dev) and ``chrome://tracing`` open: a track per stage, a labelled
+        slice per action (see `hetjax.schedules.trace`). Returns the path written."""
+        from .trace import write_chrome_trace
+
+        return write_chrome_trace(self, path)
+
 
 def simulate(schedule: Schedule, durations: Durations, *, check: bool = True) -> Timeline:
     """Time every action of ``schedule``.

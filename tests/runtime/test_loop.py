@@ -2,6 +2,7 @@
 
 import io
 import json
+import re
 
 import jax.numpy as jnp
 import pytest
@@ -74,9 +75,32 @@ def test_progress_bar_and_summary_text():
     )
     lines = bar_out.getvalue().splitlines()
     assert [line.split()[1] for line in lines] == ["1/25", "10/25", "20/25", "25/25"]
+    assert lines[0].endswith("eta -") and re.search(
+        r"loss -19\.0000 .* eta \d:\d\d:\d\d$", lines[-1]
+    )
+    assert not re.search(r"[\x00-\x09\x0b-\x1f\x7f]", bar_out.getvalue())  # a file: plain
     text = summary_out.getvalue()
     assert "hetjax run summary" in text and "tiny" in text
     assert "5.0000 -> -19.0000" in text and "steps" in text
+
+
+class Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_bar_on_a_terminal_redraws_one_line():
+    out = Terminal()
+    run_training(
+        lambda i: {"loss": jnp.float32(5.0 - i)},
+        3,
+        tokens_per_step=100,
+        hooks=[ProgressBar(3, stream=out)],
+    )
+    text = out.getvalue()
+    assert "\x1b[" in text  # drawn in place
+    plain = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", text)
+    assert "step     3/3" in plain and "loss 3.0000" in plain and "tok/s" in plain
 
 
 def test_blocking_dispatch_bills_every_step_its_own_time():

@@ -127,6 +127,26 @@ def test_png_is_valid(tmp_path):
     assert action_colour("F", 0) in colours and action_colour("B", 3) in colours
 
 
+def test_chrome_trace_has_every_action_at_its_simulated_time(tmp_path):
+    import json
+
+    timeline = simulate(three_phase(["vision"], 2, 3), {"F": 1, "B": 2, "SEND_F": 0.5})
+    path = timeline.to_chrome_trace(tmp_path / "t.trace.json")
+    events = json.loads(path.read_text())["traceEvents"]
+    tracks = {e["tid"]: e["args"]["name"] for e in events if e.get("name") == "thread_name"}
+    assert tracks == {0: "vision s0", 1: "llm s0", 2: "llm s1"}
+    slices = [e for e in events if e["ph"] == "X"]
+    timed = [t for row in timeline.items for t in row]
+    assert len(slices) == len(timed)
+    assert sorted((e["tid"], e["ts"], e["dur"]) for e in slices) == sorted(
+        (t.action.stage, t.start * 1e6, t.duration * 1e6) for t in timed
+    )
+    assert any(e["name"] == "F mb2" and e["tid"] == 2 for e in slices)
+    assert any(e["name"].startswith("SEND_F mb0 -> ") for e in slices)
+    ends = [e["ts"] for e in events if e["ph"] == "i"]
+    assert ends == [end * 1e6 for end in timeline.phase_ends]
+
+
 def test_encode_png_round_trip():
     rng = np.random.default_rng(0)
     pixels = rng.integers(0, 256, size=(5, 7, 3), dtype=np.uint8)
