@@ -17,6 +17,13 @@ Two choices that matter for speed and equality with the reference:
   non-expert weights are summed over ``ep`` within the microbatch.)
   :meth:`StageProgram.reduce` sums that axis once per step: one DP reduction per
   parameter per step, whatever the microbatch count.
+- **Frozen parts are constants.** The backward differentiates (``jax.vjp``) only with
+  respect to the stage's trainable parts and to the inputs whose gradient some trainable
+  parameter upstream needs; frozen parameters are closed over, so XLA emits no
+  weight-gradient matmuls for them (through a frozen LLM only activation gradients flow).
+  Accumulators, the reduction and the optimizer state cover the trainable parts only; a
+  frozen part's parameters pass through the update unchanged (their norm is still
+  reported, so ``param_norm/<part>`` stays constant).
 """
 
 from __future__ import annotations
@@ -108,22 +115,30 @@ class StageProgram:
         optimizer: OptimizerConfig | optax.GradientTransformation,
         options: ParallelOptions = ParallelOptions(),
         observers: Observers | None = None,
+        backward: bool = True,
+        input_grad: bool | frozenset[str] = True,
     ):
         self.spec, self.stage, self.mesh = spec, stage, mesh
         self.options = options
         self.first = stage == 0
         self.last = stage == spec.layout.pp - 1
         self.is_sink = is_sink
+        self.backward = backward  # False: forward only (frozen, nothing trains upstream)
+        # Which inputs the backward differentiates: later stages all or nothing; a first
+        # stage the link inputs named (True: all of them).
+        self.input_grad = input_grad
+        self.trainable = spec.trainable(stage)  # part names whose parameters train here
         self.replicas = mesh.shape[REPLICA_AXIS]
         self.axes = self.slice_params({p.name: p.logical_axes() for p in spec.parts})
         self.param_shardings = param_shardings(self.axes, mesh)
         self.replicated = NamedSharding(mesh, P())
         self.devices = frozenset(mesh.devices.flat)
         self.acc_shardings = jax.tree.map(
-            lambda s: NamedSharding(mesh, P(REPLICA_AXIS, *s.spec)), self.param_shardings
+            lambda s: NamedSharding(mesh, P(REPLICA_AXIS, *s.spec)),
+            self.trainable_of(self.param_shardings),
         )
         if isinstance(optimizer, OptimizerConfig):
-            optimizer = make_optimizer(optimizer, logical_axes=self.axes)
+            optimizer = make_optimizer(optimizer, logical_axes=self.trainable_of(self.axes))
         self.optimizer = optax.with_extra_args_support(optimizer)
         key = (spec.name, stage)
         observers = observers or Observers()
@@ -143,23 +158,26 @@ class StageProgram:
         self.zeros = program(self._zeros, "zeros", out_shardings=self.acc_shardings)
         # ZeRO-1: reduced gradients and optimiser moments split over dp, so the one DP
         # reduction is a reduce-scatter and the update's output an all-gather.
-        self.grad_shardings = self.param_shardings
+        self.grad_shardings = self.trainable_of(self.param_shardings)
         if options.zero1:
             self.grad_shardings = jax.tree.map(
                 lambda sh, a: zero1_sharding(sh, a.shape),
-                self.param_shardings,
-                self._abstract_stage(),
+                self.grad_shardings,
+                self._abstract_trainable(),
             )
         self.reduce = program(self._reduce, "reduce", out_shardings=(self.grad_shardings, None))
-        # Optimiser moments are sharded like their gradients; counters are replicated.
-        self.state_shardings = optax.tree_map_params(
-            self.optimizer,
-            lambda _, sharding: sharding,
-            jax.eval_shape(self.optimizer.init, self._abstract_stage()),
-            self.grad_shardings,
-            transform_non_params=lambda _: self.replicated,
-        )
-        self.init_opt_state = jax.jit(self.optimizer.init, out_shardings=self.state_shardings)
+        # Optimiser moments are sharded like their gradients; counters are replicated. A
+        # stage that trains nothing keeps no optimizer state at all (an empty tuple).
+        self.state_shardings = ()
+        if self.trainable:
+            self.state_shardings = optax.tree_map_params(
+                self.optimizer,
+                lambda _, sharding: sharding,
+                jax.eval_shape(self.optimizer.init, self._abstract_trainable()),
+                self.grad_shardings,
+                transform_non_params=lambda _: self.replicated,
+            )
+        self._init_opt = jax.jit(self._opt_init, out_shardings=self.state_shardings)
         self.update = program(
             self._update,
             "update",
@@ -173,6 +191,17 @@ class StageProgram:
         """This stage's part of a full parameter (or logical-axes) tree."""
         return slice_stage(self.spec, self.stage, full)
 
+    def trainable_of(self, tree: dict[str, Any]) -> dict[str, Any]:
+        """The trainable parts of a stage-shaped tree."""
+        return {k: v for k, v in tree.items() if k in self.trainable}
+
+    def _opt_init(self, trainable: dict[str, Any]) -> Any:
+        return self.optimizer.init(trainable) if self.trainable else ()
+
+    def init_opt_state(self, params: dict[str, Any]) -> Any:
+        """The optimizer state of this stage's (placed) parameters' trainable parts."""
+        return self._init_opt(self.trainable_of(params))
+
     def abstract_state(self) -> tuple[Any, Any]:
         """This stage's parameters and optimizer state as ``ShapeDtypeStruct`` s carrying
         their shardings (what a checkpoint restores into)."""
@@ -181,7 +210,7 @@ class StageProgram:
             return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
 
         params = self._abstract_stage()
-        opt = jax.eval_shape(self.optimizer.init, params)
+        opt = jax.eval_shape(self._opt_init, self.trainable_of(params))
         return (
             jax.tree.map(sds, params, self.param_shardings),
             jax.tree.map(sds, opt, self.state_shardings),
@@ -292,12 +321,22 @@ class StageProgram:
         def split(a):
             return a.reshape(r, a.shape[0] // r, *a.shape[1:])
 
+        trained, frozen = self.trainable_of(params), self._frozen_of(params)
+
         def per_replica(x_r, batch_r, g_r):
-            def f(p, xx):
-                y = self.apply(p, xx, batch_r, per_replica=True, loss_scale=1.0 / normalizer)
+            x_diff, rebuild = self._split_input(x_r)
+
+            def f(p, xd):  # frozen parameters and undifferentiated inputs are constants
+                y = self.apply(
+                    {**frozen, **p},
+                    rebuild(xd),
+                    batch_r,
+                    per_replica=True,
+                    loss_scale=1.0 / normalizer,
+                )
                 return y / normalizer if self.is_sink and self.last else y
 
-            y, vjp = jax.vjp(f, params, x_r)
+            y, vjp = jax.vjp(f, trained, x_diff)
             cot = jnp.ones_like(y) if g_r is None else g_r
             gp, gx = vjp(cot)
             loss = y if self.is_sink and self.last else jnp.zeros((), jnp.float32)
@@ -310,13 +349,31 @@ class StageProgram:
         gx = jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]), gx)
         return acc, gx, jnp.sum(loss)
 
+    def _frozen_of(self, tree: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in tree.items() if k not in self.trainable}
+
+    def _split_input(self, x: Any) -> tuple[Any, Any]:
+        """The stage input's parts to differentiate, and how to rebuild the input from
+        them (the rest are constants of the backward)."""
+        if isinstance(x, dict):
+            names = set(x) if self.input_grad is True else set(self.input_grad or ())
+            const = {k: v for k, v in x.items() if k not in names}
+            return {k: v for k, v in x.items() if k in names}, lambda d: {**d, **const}
+        if self.input_grad:
+            return x, lambda d: d
+        return None, lambda _: x
+
+    def _abstract_trainable(self):
+        return self.trainable_of(self._abstract_stage())
+
     def _abstract_stage(self):
         full = {p.name: p.abstract_params() for p in self.spec.parts}
         return jax.eval_shape(self.slice_params, full)
 
     def _zeros(self):
         return jax.tree.map(
-            lambda s: jnp.zeros((self.replicas, *s.shape), jnp.float32), self._abstract_stage()
+            lambda s: jnp.zeros((self.replicas, *s.shape), jnp.float32),
+            self._abstract_trainable(),
         )
 
     def _reduce(self, acc):
@@ -324,15 +381,18 @@ class StageProgram:
         return grads, sqnorms_by_key(grads)
 
     def _update(self, params, opt_state, grads, global_norm):
-        old_state = opt_state
+        if not self.trainable:  # nothing to update; the norms are still reported
+            return params, opt_state, sqnorms_by_key(params)
+        old_state, trained = opt_state, self.trainable_of(params)
         # hetjax.clip_by_global_norm in the chain clips with the norm of ALL stages.
         updates, opt_state = self.optimizer.update(
-            grads, opt_state, params, global_norm=global_norm
+            grads, opt_state, trained, global_norm=global_norm
         )
-        new = optax.apply_updates(params, updates)
+        new = optax.apply_updates(trained, updates)
         if self.options.skip_nonfinite:  # every stage sees the same global norm
             keep = ~jnp.isfinite(global_norm)
             new, opt_state = jax.tree.map(
-                lambda n, o: jnp.where(keep, o, n), (new, opt_state), (params, old_state)
+                lambda n, o: jnp.where(keep, o, n), (new, opt_state), (trained, old_state)
             )
+        new = {**params, **new}  # frozen parts pass through unchanged
         return new, opt_state, sqnorms_by_key(new)

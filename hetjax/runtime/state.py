@@ -76,25 +76,31 @@ def merge_stages(
     """Per-stage parameter-shaped trees -> one tree keyed by part name, the inverse of
     :func:`slice_stage` over all stages: ``pre`` from the first stage, ``post`` and further
     parts from the last, and each ``blocks`` leaf joined over the stages in order by
-    ``stack(module name, [leaf of stage 0, 1, ...])``."""
+    ``stack(module name, [leaf of stage 0, 1, ...])``. Parts that the trees leave out
+    (frozen ones, in an optimizer state's view) are left out of the result too."""
     out: dict[str, Any] = {}
     for spec in graph.modules:
         main = spec.parts[0]
-        stages = [per_stage[(spec.name, s)] for s in range(spec.layout.pp)]
-        tree = {}
-        if "pre" in stages[0][main.name]:
-            tree["pre"] = stages[0][main.name]["pre"]
-        if "blocks" in stages[0][main.name]:
-            tree["blocks"] = jax.tree.map(
-                lambda *xs, name=spec.name: stack(name, list(xs)),
-                *[s[main.name]["blocks"] for s in stages],
-            )
-        if "post" in stages[-1][main.name]:
-            tree["post"] = stages[-1][main.name]["post"]
-        out[main.name] = tree
+        trees = [per_stage.get((spec.name, s), {}) for s in range(spec.layout.pp)]
+        if all(main.name in t for t in trees):
+            out[main.name] = _merge_main([t[main.name] for t in trees], spec.name, stack)
         for part in spec.parts[1:]:
-            out[part.name] = stages[-1][part.name]
+            if part.name in trees[-1]:
+                out[part.name] = trees[-1][part.name]
     return out
+
+
+def _merge_main(stages: list[Any], name: str, stack: Callable[[str, list], Any]) -> Any:
+    tree = {}
+    if "pre" in stages[0]:
+        tree["pre"] = stages[0]["pre"]
+    if "blocks" in stages[0]:
+        tree["blocks"] = jax.tree.map(
+            lambda *xs: stack(name, list(xs)), *[s["blocks"] for s in stages]
+        )
+    if "post" in stages[-1]:
+        tree["post"] = stages[-1]["post"]
+    return tree
 
 
 def full_params(graph: TrainGraph, params: Mapping[StageKey, Any]) -> dict[str, Any]:
