@@ -49,23 +49,30 @@ def slice_stage(
 
     The first stage holds the main part's ``pre``, every stage its own block range, the
     last stage the main part's ``post`` and all further parts (e.g. the projector).
-    ``take(leaf, start, stop)`` cuts a stacked leaf to the stage's layers.
+    ``take(leaf, start, stop)`` cuts a stacked leaf to the stage's layers. Parts that
+    ``full`` leaves out (frozen ones, in an optimizer state's view) are left out too.
     """
     main = spec.parts[0]
     first, last = stage == 0, stage == spec.layout.pp - 1
     start, stop = spec.stage_layers(stage)
+    sliced: dict[str, Any] = {}
+    if main.name in full:
+        sliced[main.name] = _slice_main(full[main.name], first, last, start, stop, take)
+    if last:
+        sliced.update({p.name: full[p.name] for p in spec.parts[1:] if p.name in full})
+    return sliced
+
+
+def _slice_main(main: Mapping[str, Any], first, last, start, stop, take) -> dict[str, Any]:
     own: dict[str, Any] = {}
-    for part, tree in full[main.name].items():
+    for part, tree in main.items():
         if part == "pre" and first or part == "post" and last:
             own[part] = tree
         elif part == "blocks":
             own[part] = jax.tree.map(
                 lambda a: take(a, start, stop), tree, is_leaf=lambda x: isinstance(x, tuple)
             )
-    sliced = {main.name: own}
-    if last:
-        sliced.update({p.name: full[p.name] for p in spec.parts[1:]})
-    return sliced
+    return own
 
 
 def merge_stages(

@@ -3,11 +3,11 @@
 LLaVA stage 1 (``freeze=("vision", "llm")``: only the projector trains, so gradients
 flow through the frozen LLM into it) and stage 2 (``freeze=("vision",)``), each under a
 colocated and a non-colocated layout with pp > 1 (non-colocated, the vision encoder is
-pipelined too, so its first stage runs forward only), and the whole vision module
-frozen. Beyond the parity harness's checks (the same 10 losses and norms, rtol 1e-5):
-frozen parameters are bit-identical to the initial ones after 10 steps while every
-trained part moved, frozen parts have no optimizer state and no ``grad_norm/<part>``,
-and forward-only stages get no backward op.
+pipelined too, so its first stage runs forward only), the homogeneous baseline with
+ZeRO-1, and the whole vision module frozen. Beyond the parity harness's checks (the same
+10 losses and norms, rtol 1e-5): frozen parameters are bit-identical to the initial ones
+after 10 steps while every trained part moved, frozen parts have no optimizer state and
+no ``grad_norm/<part>``, and forward-only stages get no backward op.
 """
 
 from __future__ import annotations
@@ -62,6 +62,16 @@ CASES = [
         id="stage1-noncolocated-vis_dp2pp2-llm_dp2pp2-mb2",
         vision="dp=2,pp=2",
         llm="dp=2,pp=2",
+    ),
+    case(  # the homogeneous baseline (the encoder on the LLM's first stage), ZeRO-1
+        "homogeneous",
+        1,
+        slow=True,
+        freeze=("vision",),
+        options=("zero1",),
+        id="stage2-homogeneous-llm_dp2tp2pp2-zero1",
+        vision="dp=2,tp=2",
+        llm="dp=2,tp=2,pp=2",
     ),
     case(  # the whole vision module frozen: it runs forward only
         "colocated",
