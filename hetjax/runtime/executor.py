@@ -120,6 +120,7 @@ class Executor:
                 observers=self.observers,
                 backward=self.graph.has_backward(key),
                 input_grad=self._input_grad(key),
+                stash_frozen_output=self.graph.stashes_frozen_output(key),
             )
             for key in plan.stage_keys
         }
@@ -233,12 +234,15 @@ class Executor:
             if op.kind == "F":
                 x = inbox.pop((key, m), {} if prog.first else None)
                 data[(key, m)] = feed.inputs(prog, m)
-                if prog.backward:  # a forward-only stage keeps nothing for a B
-                    stash[(key, m)] = x
+                kept = x  # what B starts from
                 if not (prog.is_sink and prog.last):  # the loss stage's F runs inside B
                     args = (params[key], x, data[(key, m)])
                     outbox[(key, m)] = self._run(op, prog, "fwd", args, profile)
-                if not prog.backward:
+                    if prog.stash_frozen_output:
+                        outbox[(key, m)], kept = outbox[(key, m)]
+                if prog.backward:  # a forward-only stage keeps nothing for a B
+                    stash[(key, m)] = kept
+                else:
                     data.pop((key, m))
             elif op.kind == "B":
                 g_out = grads_in.pop((key, m), None)

@@ -10,9 +10,11 @@ Model FLOPs follow the usual MFU rule, per part, from the part's forward FLOPs `
 
 Hardware FLOPs add what the executor really recomputes: every stage with a backward
 re-runs its forward inside it (``jax.vjp`` on the stashed input, see
-:mod:`hetjax.runtime.programs`), all parts on that stage included (a frozen encoder that
-shares its last stage with a trained projector is recomputed there), except the sink's
-last stage, whose forward only ever runs inside its backward. A module's block stack is
+:mod:`hetjax.runtime.programs`), except the sink's last stage, whose forward only ever runs
+inside its backward, and a frozen first part with nothing trainable upstream under a
+trained one on the same stage (a frozen encoder under its trained projector): the
+forward keeps its output and the backward starts there
+(:meth:`~hetjax.runtime.graph.TrainGraph.stashes_frozen_output`). A module's block stack is
 split into ``pp`` equal stages, so each stage holds ``1 / pp`` of its first part's
 forward; further parts sit on the last stage.
 
@@ -81,6 +83,8 @@ def hardware_flops(graph: TrainGraph, forward: Mapping[str, float]) -> dict[str,
             if spec.name == graph.sink and stage == pp - 1:
                 continue  # its forward runs only inside its backward
             on_stage = forward[spec.param_keys[0]] / pp
+            if graph.stashes_frozen_output((spec.name, stage)):
+                on_stage = 0.0  # the backward starts after the frozen first part
             if stage == pp - 1:
                 on_stage += sum(forward[p] for p in spec.param_keys[1:])
             out[spec.name] += on_stage

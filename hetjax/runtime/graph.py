@@ -194,6 +194,22 @@ class TrainGraph:
             self.trains_upstream(l.src) for l in self.links_into(name)
         )
 
+    def stashes_frozen_output(self, key: tuple[str, int]) -> bool:
+        """Whether stage ``key`` keeps its frozen first part's output for the backward
+        instead of its input: the module's last stage, not the sink, its first part frozen
+        with nothing trainable upstream and a later part trained (a frozen encoder under
+        its trained projector). Its backward then starts from that output, so the frozen
+        encoder runs forward once, never inside the backward."""
+        name, stage = key
+        spec = self.module(name)
+        return (
+            name != self.sink
+            and stage == spec.layout.pp - 1
+            and spec.param_keys[0] in spec.frozen
+            and bool(spec.trainable(stage))
+            and not self.needs_input_grad(key)
+        )
+
     def has_backward(self, key: tuple[str, int]) -> bool:
         """Whether stage ``key`` runs a backward: it trains a part, or a gradient passes
         through it to trainable parameters upstream. Without one it runs forward only."""

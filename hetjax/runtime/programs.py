@@ -23,7 +23,10 @@ Two choices that matter for speed and equality with the reference:
   weight-gradient matmuls for them (through a frozen LLM only activation gradients flow).
   Accumulators, the reduction and the optimizer state cover the trainable parts only; a
   frozen part's parameters pass through the update unchanged (their norm is still
-  reported, so ``param_norm/<part>`` stays constant).
+  reported, so ``param_norm/<part>`` stays constant). Where a frozen encoder with
+  nothing trainable upstream shares its last stage with a trained projector, the
+  forward keeps the encoder's output and the backward starts there, so the encoder is
+  not recomputed (``stash_frozen_output``).
 """
 
 from __future__ import annotations
@@ -117,6 +120,7 @@ class StageProgram:
         observers: Observers | None = None,
         backward: bool = True,
         input_grad: bool | frozenset[str] = True,
+        stash_frozen_output: bool = False,
     ):
         self.spec, self.stage, self.mesh = spec, stage, mesh
         self.options = options
@@ -127,6 +131,9 @@ class StageProgram:
         # Which inputs the backward differentiates: later stages all or nothing; a first
         # stage the link inputs named (True: all of them).
         self.input_grad = input_grad
+        # The forward also returns the frozen first part's output, which the backward
+        # starts from (TrainGraph.stashes_frozen_output): no frozen encoder recompute.
+        self.stash_frozen_output = stash_frozen_output
         self.trainable = spec.trainable(stage)  # part names whose parameters train here
         self.replicas = mesh.shape[REPLICA_AXIS]
         self.axes = self.slice_params({p.name: p.logical_axes() for p in spec.parts})
@@ -230,8 +237,12 @@ class StageProgram:
         *,
         per_replica: bool = False,
         loss_scale: Any = None,
+        segment: str = "all",
     ) -> jax.Array:
         """Stage forward; ``x`` is ``{link name: tokens}`` on a first stage, else an array.
+
+        ``segment``: ``"all"``; ``"main"``, only the first part (its output); ``"rest"``,
+        from the first part's output ``x`` through the further parts.
 
         On the sink's last stage the result is the SUMMED loss. ``per_replica``: called
         inside the backward's vmap over data-parallel replicas (the batch axes are the
@@ -249,11 +260,17 @@ class StageProgram:
             routed=routed,
             sequence_parallel=self.options.sequence_parallel,
         ):
-            return self._apply(params, x, batch, per_replica)
+            if segment == "rest":
+                return self._apply_rest(params, x, per_replica)
+            h = self._apply_main(params, x, batch, per_replica)
+            if segment == "main" or not self.last or self.is_sink:
+                return h
+            return self._apply_rest(params, h, per_replica)
 
-    def _apply(self, params, x, batch, per_replica):
-        parts = self.spec.parts
-        main = parts[0]
+    def _apply_main(self, params, x, batch, per_replica):
+        """The first part's pre (first stage), blocks and post (last stage); on the sink's
+        last stage the summed loss."""
+        main = self.spec.parts[0]
         mine = params[main.name]
         if self.first:
             args = [batch[k] for k in self.spec.inputs]
@@ -275,7 +292,11 @@ class StageProgram:
             return main.apply_post(mine["post"], h, *[batch[k] for k in self.spec.loss_inputs])
         if "post" in mine:
             h = main.apply_post(mine["post"], h)
-        for part in parts[1:]:
+        return h
+
+    def _apply_rest(self, params, h, per_replica):
+        """The further parts of a non-sink module's last stage, and its output layout."""
+        for part in self.spec.parts[1:]:
             h = part(params[part.name], h)
         if sequence_axes(self.mesh) is not None:
             # A module's output leaves batch-split and whole over cp (the boundary's
@@ -313,6 +334,9 @@ class StageProgram:
     # -- programs -----------------------------------------------------------------------
 
     def _forward(self, params, x, batch):
+        if self.stash_frozen_output:  # (output, what the backward starts from)
+            h = self.apply(params, x, batch, segment="main")
+            return self.apply(params, h, batch, segment="rest"), h
         return self.apply(params, x, batch)
 
     def _backward(self, params, acc, x, batch, g_out, normalizer):
@@ -333,6 +357,7 @@ class StageProgram:
                     batch_r,
                     per_replica=True,
                     loss_scale=1.0 / normalizer,
+                    segment="rest" if self.stash_frozen_output else "all",
                 )
                 return y / normalizer if self.is_sink and self.last else y
 

@@ -38,10 +38,16 @@ def test_model_flops_follow_the_rule(freeze, roles, model):
 
 
 def test_hardware_flops_add_the_recomputed_forwards():
-    # vision pp=2: stage 0 forward only (frozen), stage 1 (blocks + projector) recomputes
-    # 100/2 + 10; llm pp=2: stage 0 recomputes 1000/2, the sink's last stage nothing.
+    # vision pp=2: stage 0 forward only (frozen); stage 1 keeps its frozen blocks' output,
+    # so its backward recomputes the projector only (10); llm pp=2: stage 0 recomputes
+    # 1000/2, the sink's last stage nothing.
     g = graph(("vision",))
-    assert flops.hardware_flops(g, FORWARD) == {"vision": 130 + 60, "llm": 3000 + 500}
+    assert g.stashes_frozen_output(("vision", 1)) and not g.stashes_frozen_output(("llm", 1))
+    assert flops.hardware_flops(g, FORWARD) == {"vision": 130 + 10, "llm": 3000 + 500}
+    # Vision trained, projector frozen: nothing is stashed after the encoder.
+    g = graph(("projector",))
+    assert not g.stashes_frozen_output(("vision", 1))
+    assert flops.hardware_flops(g, FORWARD)["vision"] == 320 + 50 + 60
     full = flops.hardware_flops(graph(()), FORWARD)
     assert full == {"vision": 330 + 110, "llm": 3000 + 500}
 
