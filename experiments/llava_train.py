@@ -268,7 +268,8 @@ def _trainer(config: TrainConfig, run: _Run, devices: Sequence[Any], *, init: bo
 def _flop_metrics(config: TrainConfig, run: _Run, devices: Sequence[Any]):
     """``(supervised tokens, step time) -> FLOP metrics`` of the run
     (:func:`hetjax.runtime.flops.throughput_metrics`): model FLOPs from the model's forward
-    FLOPs per part by the 3x / 2x / 1x rule; hardware FLOPs add the executor's backward
+    FLOPs per part by the 3x / 2x / 1x rule; hardware FLOPs count what the kernels compute
+    (full causal attention, the head over every token) and the executor's backward
     recompute (the reference trainer recomputes nothing); MFU with the peak of
     ``--peak-tflops`` or the device table."""
     from hetjax.runtime import flops
@@ -282,11 +283,14 @@ def _flop_metrics(config: TrainConfig, run: _Run, devices: Sequence[Any]):
     )
 
     def metrics(supervised: float, step_time_s: float) -> dict[str, float]:
-        forward = run.model.config.forward_flops(
-            config.data.global_batch, run.seq_len, int(supervised)
-        )
-        model = flops.model_flops(run.graph, forward)
-        hardware = model if run.plan is None else flops.hardware_flops(run.graph, forward)
+        sizes = (config.data.global_batch, run.seq_len, int(supervised))
+        model = flops.model_flops(run.graph, run.model.config.forward_flops(*sizes))
+        executed = run.model.config.forward_flops(*sizes, executed=True)
+        if run.plan is None:  # the reference trainer recomputes nothing
+            hardware = flops.model_flops(run.graph, executed)
+        else:
+            attention = run.model.config.attention_flops(*sizes[:2], executed=True)
+            hardware = flops.hardware_flops(run.graph, executed, attention)
         return flops.throughput_metrics(
             model,
             hardware,

@@ -72,9 +72,20 @@ def model_flops(graph: TrainGraph, forward: Mapping[str, float]) -> dict[str, fl
     }
 
 
-def hardware_flops(graph: TrainGraph, forward: Mapping[str, float]) -> dict[str, float]:
-    """Model FLOPs plus the forwards the backward recomputes, per module."""
+def hardware_flops(
+    graph: TrainGraph, forward: Mapping[str, float], attention: Mapping[str, float] = {}
+) -> dict[str, float]:
+    """The rule plus the forwards the backward recomputes, per module. ``forward``: what
+    the kernels compute per part (e.g. ``forward_flops(..., executed=True)``: causal
+    attention in full, the LM head over every token); ``attention``: the part of it in
+    weightless matmuls (QK^T, PV), whose backward takes two activation gradients even in
+    a frozen part (the rule's 2x assumes weight matmuls: one activation gradient)."""
     out = model_flops(graph, forward)
+    roles = part_roles(graph)
+    for spec in graph.modules:
+        for p in spec.param_keys:
+            if roles[p] == THROUGH:
+                out[spec.name] += attention.get(p, 0.0)
     for spec in graph.modules:
         pp = spec.layout.pp
         for stage in range(pp):
