@@ -70,12 +70,21 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--microbatches", "parallel.microbatches", positive_int, core=("microbatches",)),
     Flag("--seq-len", "model.seq_len", positive_int),
     Flag("--dtype", "model.dtype"),
+    Flag(
+        "--freeze",
+        "model.freeze",
+        str,
+        metavar="PART[,PART]",
+        help="modules or parts not trained: vision (the encoder alone), projector, llm, audio, "
+        "audio_projector; LLaVA stage 1 is vision,llm, stage 2 vision",
+    ),
     Flag("--seed", "seed", int),
     Flag("--lr", "optimizer.lr", positive_float),
     Flag("--warmup-steps", "optimizer.warmup_steps", int),
     Flag("--weight-decay", "optimizer.weight_decay", float),
     Flag("--clip-norm", "optimizer.clip_norm", float),
     Flag("--devices", "parallel.devices", positive_int, core=("num_devices",)),
+    Flag("--peak-tflops", "parallel.peak_tflops", positive_float, metavar="TFLOPS"),
     Flag("--metrics", "logging.metrics", str, metavar="PATH.jsonl"),
     Flag(
         "--layout",
@@ -212,7 +221,10 @@ def default_layouts(
 _LITERAL = r"\{[^{}]*\}|\[[^\[\]]*\]|'[^']*'|\"[^\"]*\"|-?\d+(?:\.\d+)?(?:e-?\d+)?|True|False|None"
 # Bare parameter names (no `=value`) that never occur as plain English in a message:
 # these, and dotted config paths, are translated on their own.
-_BARE = {"islands", "offload_encoders", "num_devices", "coordinator", "num_processes", "process_id"}
+_BARE = {
+    *("islands", "offload_encoders", "num_devices", "coordinator", "num_processes"),
+    *("process_id", "freeze"),
+}
 
 
 def _by_name() -> dict[str, Flag]:

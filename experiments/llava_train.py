@@ -105,7 +105,12 @@ def main(config: TrainConfig) -> int:
     profiler = traced and hetjax.StepProfiler(step, *traced, logging.profile_dir)
     try:
         hetjax.run_training(
-            profiler or step, end, tokens_per_step=tokens, hooks=[*hooks, guard], start=start
+            profiler or step,
+            end,
+            tokens_per_step=tokens,
+            hooks=[*hooks, guard],
+            start=start,
+            flop_metrics=_flop_metrics(config, run, devices),
         )
     except hetjax.runtime.NonFiniteError as e:
         raise ConfigError(str(e)) from None
@@ -153,6 +158,7 @@ class _Run:
     optimizer: Any  # hetjax.OptimizerConfig
     plan: Any  # hetjax.runtime.RunPlan; None for the reference trainer
     layout_text: str
+    graph: Any  # hetjax.TrainGraph: which parts train (the reference trainer's too)
 
 
 def _join_job(config: TrainConfig) -> tuple[Any, list]:
@@ -233,7 +239,10 @@ def _plan(config: TrainConfig, devices: Sequence[Any]) -> _Run:
     if p.reference:
         hetjax.runtime.check_batch_split(config.data.global_batch, p.microbatches, n)
         text = f"reference data parallel: dp={n}"
-        return _Run(model, dataset, seq_len, optimizer, None, text)
+        # The graph only says which parts train (for the FLOP rule); nothing runs it.
+        one = {name: hetjax.Layout() for name in model.module_names}
+        graph = model.train_graph(one, freeze=config.model.frozen)
+        return _Run(model, dataset, seq_len, optimizer, None, text, graph)
     names = model.module_names
     given = hc.module_layouts(p.layouts or default_layouts(names, n, p.mode), names)
     if "llm" not in given:
@@ -241,7 +250,7 @@ def _plan(config: TrainConfig, devices: Sequence[Any]) -> _Run:
     layouts = {name: given.get(name, given["llm"]) for name in names}
     model.validate_layouts(layouts, seq_len=seq_len)
     plan = hetjax.runtime.plan_run(
-        model.train_graph(layouts),
+        model.train_graph(layouts, freeze=config.model.frozen),
         num_devices=n,
         mode=p.mode,
         islands=dict(p.islands) or None,
@@ -254,7 +263,7 @@ def _plan(config: TrainConfig, devices: Sequence[Any]) -> _Run:
         model.validate_layouts({m.name: m.layout for m in plan.graph.modules if m.name != "llm"})
     shown = "; ".join(f"{m.name} {m.layout}" for m in plan.graph.modules)
     text = f"{p.mode}: {shown}; schedule {plan.schedule.name}"
-    return _Run(model, dataset, seq_len, optimizer, plan, text)
+    return _Run(model, dataset, seq_len, optimizer, plan, text, plan.graph)
 
 
 def _model_config(m: Any) -> Any:
@@ -315,13 +324,15 @@ def _trainer(
     else:
         params = None
     if run.plan is None:
-        axes = {name: m.logical_axes() for name, m in run.model.modules.items()}
+        frozen = {p for m in run.graph.modules for p in m.frozen}
+        axes = {n: m.logical_axes() for n, m in run.model.modules.items() if n not in frozen}
         return hetjax.ReferenceTrainer(
             run.model.loss_sum,
             params,
             hetjax.make_optimizer(run.optimizer, logical_axes=axes),
             devices=devices,
             microbatches=config.parallel.microbatches,
+            frozen=frozen,
         )
     p = config.parallel
     return hetjax.Executor(
@@ -335,6 +346,44 @@ def _trainer(
             skip_nonfinite=config.skip_nonfinite_steps > 0,
         ),
     )
+
+
+def _flop_metrics(config: TrainConfig, run: _Run, devices: Sequence[Any]):
+    """``(supervised tokens, step time) -> FLOP metrics`` of the run
+    (:func:`hetjax.runtime.flops.throughput_metrics`): model FLOPs from the model's forward
+    FLOPs per part by the 3x / 2x / 1x rule; hardware FLOPs count what the kernels compute
+    (full causal attention, the head over every token) and the executor's backward
+    recompute (the reference trainer recomputes nothing); MFU with the peak of
+    ``--peak-tflops`` or the device table."""
+    from hetjax.runtime import flops
+
+    peak = config.parallel.peak_tflops or flops.peak_tflops(devices[0].device_kind)
+    n = len(devices)
+    module_devices = (
+        {m.name: n for m in run.graph.modules}
+        if run.plan is None
+        else {name: len(pos) for name, pos in run.plan.positions.items()}
+    )
+
+    def metrics(supervised: float, step_time_s: float) -> dict[str, float]:
+        sizes = (config.data.global_batch, run.seq_len, int(supervised))
+        model = flops.model_flops(run.graph, run.model.config.forward_flops(*sizes))
+        executed = run.model.config.forward_flops(*sizes, executed=True)
+        if run.plan is None:  # the reference trainer recomputes nothing
+            hardware = flops.model_flops(run.graph, executed)
+        else:
+            attention = run.model.config.attention_flops(*sizes[:2], executed=True)
+            hardware = flops.hardware_flops(run.graph, executed, attention)
+        return flops.throughput_metrics(
+            model,
+            hardware,
+            step_time_s,
+            num_devices=n,
+            module_devices=module_devices,
+            peak=peak,
+        )
+
+    return metrics
 
 
 def _checkpointer(config: TrainConfig):

@@ -103,12 +103,18 @@ class EncoderConfig:
         extra = {"clip": 3 * d, "siglip": 0}.get(self.kind, 2 * d)  # cls + pre-LN / final LN
         return embed + self.depth * block + extra
 
+    def forward_flops_per_token(self) -> int:
+        """Forward FLOPs per encoder token: 2 x matmul weights (MoE: the ``top_k`` experts a
+        token visits, and the router) + bidirectional attention (QK^T and PV)."""
+        d, f = self.width, self.mlp
+        mlp = self.moe.top_k * 3 * d * f + d * self.moe.num_experts if self.moe else 2 * d * f
+        matmul = self.depth * (4 * d * d + mlp) + self.token_in_dim * d
+        attention = self.depth * 2 * 2 * self.block_tokens * d  # CLIP: + class token
+        return 2 * matmul + attention
+
     def flops_per_token(self) -> int:
-        """Forward+backward FLOPs per encoder token (6 x matmul params + attention)."""
-        d = self.width
-        matmul = self.depth * (4 * d * d + 2 * d * self.mlp) + self.token_in_dim * d
-        attention = self.depth * 2 * 2 * self.block_tokens * d  # QK^T and PV
-        return 6 * matmul + 3 * attention
+        """Forward+backward FLOPs per encoder token (3 x the forward)."""
+        return 3 * self.forward_flops_per_token()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,6 +142,24 @@ class LLMConfig:
         mlp = self.moe.num_params(d, self.mlp) if self.moe else 3 * d * self.mlp
         block = attn + mlp + 2 * d
         return 2 * self.vocab * d + self.depth * block + d
+
+    def forward_flops(
+        self, tokens: int, seq_len: int, supervised: int, *, executed: bool = False
+    ) -> int:
+        """Forward FLOPs of ``tokens`` tokens in sequences of ``seq_len`` (causal attention
+        halves QK/PV; MoE counts the ``top_k`` experts a token visits, and the router), with
+        the output head and cross-entropy over the ``supervised`` tokens only.
+        ``executed``: what the kernels compute instead (the full ``seq_len x seq_len``
+        attention, the head over every token), for hardware FLOPs."""
+        d, k = self.width, self.head_dim
+        mlp = 3 * d * self.mlp
+        if self.moe:
+            mlp = self.moe.top_k * mlp + d * self.moe.num_experts
+        body = self.depth * (d * self.heads * k * 2 + d * self.kv_heads * k * 2 + mlp)
+        attention = self.depth * 2 * self.heads * k * seq_len  # causal: 2 matmuls / 2
+        if executed:
+            attention, supervised = 2 * attention, tokens
+        return tokens * (2 * body + attention) + supervised * 2 * self.vocab * d
 
     def flops_per_token(self, seq_len: int) -> int:
         """Forward+backward FLOPs per token at ``seq_len`` (causal attention halves QK/PV)."""
@@ -176,6 +200,34 @@ class MLLMConfig:
         counts["llm"] = self.llm.num_params()
         counts["total"] = sum(counts.values())
         return counts
+
+    def forward_flops(
+        self, batch: int, seq_len: int, supervised: int, *, executed: bool = False
+    ) -> dict[str, int]:
+        """Forward FLOPs per part (encoders, projectors, ``llm``) of a batch of ``batch``
+        samples of ``seq_len`` tokens, ``supervised`` of them under the loss (the rule of
+        :func:`hetjax.runtime.flops.model_flops` turns them into training FLOPs);
+        ``executed``: what the kernels compute (:meth:`LLMConfig.forward_flops`)."""
+        out: dict[str, int] = {}
+        d = self.llm.width
+        for name, enc in self.encoders.items():
+            tokens = batch * enc.num_tokens
+            out[name] = tokens * enc.forward_flops_per_token()
+            proj = "projector" if name == "vision" else f"{name}_projector"
+            out[proj] = tokens * 2 * (enc.width * d + d * d)  # two matmuls
+        out["llm"] = self.llm.forward_flops(batch * seq_len, seq_len, supervised, executed=executed)
+        return out
+
+    def attention_flops(self, batch: int, seq_len: int, *, executed: bool = False) -> dict:
+        """The parts' forward FLOPs in weightless matmuls (attention's QK^T and PV; included
+        in :meth:`forward_flops`): their backward always takes two activation gradients."""
+        out = {}
+        for name, enc in self.encoders.items():
+            out[name] = batch * enc.num_tokens * enc.depth * 2 * 2 * enc.num_tokens * enc.width
+        c = self.llm
+        causal = 1 if executed else 0.5  # the kernels compute the full square
+        out["llm"] = int(batch * seq_len * c.depth * 4 * c.heads * c.head_dim * seq_len * causal)
+        return out
 
 
 # Byte-level tokenizer: 256 bytes + PAD, BOS, EOS, IMAGE, AUDIO, padded to a multiple of 64.

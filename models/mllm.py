@@ -12,7 +12,7 @@ count of the GLOBAL batch gives the same loss for any split of the batch.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import jax
@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from hetjax import Layout, LayoutError, Link, ModuleSpec, Params, StagedModule, TrainGraph
 from hetjax.meshes import validate_divisible
+from hetjax.runtime.graph import frozen_parts
 from models import tokenizer
 from models.config import MLLMConfig
 from models.encoders import make_encoder, make_projector
@@ -99,13 +100,29 @@ class MLLM:
         h = llm.apply_blocks(params["llm"]["blocks"], h)
         return llm.apply_post(params["llm"]["post"], h, batch["targets"], batch["loss_mask"])
 
-    def train_graph(self, layouts: Mapping[str, Layout]) -> TrainGraph:
+    def module_parts(self) -> dict[str, tuple[str, ...]]:
+        """Module name -> its part names (an encoder and its projector; the LLM)."""
+        out = {}
+        for modality in self.modalities:
+            enc_name, proj_name, _ = MODALITIES[modality]
+            out[enc_name] = (enc_name, proj_name)
+        return {**out, "llm": ("llm",)}
+
+    def frozen_parts(self, names: Collection[str]) -> frozenset[str]:
+        """The parts that ``freeze`` names select (:func:`hetjax.runtime.frozen_parts`)."""
+        return frozen_parts(names, self.module_parts())
+
+    def train_graph(
+        self, layouts: Mapping[str, Layout], freeze: Collection[str] = ()
+    ) -> TrainGraph:
         """The model as a heterogeneous training graph: one module per encoder (with its
         projector) and the LLM, each with its layout; encoders link into the LLM.
 
         Args:
             layouts: layout per module name (``vision``, ``audio``, ``llm``); every module
                 must have one (the CLI gives modules without ``--layout`` the LLM's).
+            freeze: modules or parts not trained (``vision`` is the encoder alone; LLaVA
+                stage 1 freezes ``vision, llm``, stage 2 ``vision``).
         """
         modules, links = [], []
         for modality in self.modalities:
@@ -132,7 +149,8 @@ class MLLM:
                 ),
             )
         )
-        return TrainGraph(tuple(modules), tuple(links))
+        graph = TrainGraph(tuple(modules), tuple(links))
+        return graph.freeze(freeze) if freeze else graph
 
     @property
     def module_names(self) -> list[str]:

@@ -63,7 +63,13 @@ RUNS = {
     "tiny_a": ["--steps", "3", "--devices", "2", "--global-batch", "8"],
     "tiny_b": ["--steps", "3", "--devices", "2", "--global-batch", "8"],
     "tiny_av": ["--model", "tiny-av", "--steps", "2", "--devices", "2", "--global-batch", "8"],
+    # LLaVA stage 1: only the projector trains; a peak makes the run report MFU.
+    "stage1": [
+        *("--steps", "3", "--devices", "2", "--global-batch", "8"),
+        *("--freeze", "vision,llm", "--peak-tflops", "0.5"),
+    ],
 }
+FLOP_KEYS = {"model_tflops_per_step", "hardware_tflops_per_step", "tflops_per_s"}
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +119,24 @@ def test_tiny_run_writes_metrics_and_summary(runs):
     assert "hetjax run summary" in stdout
     assert "tiny" in stdout and "2 x cpu" in stdout
     assert "loss (first -> last)" in stdout and "throughput" in stdout
+    # FLOPs always; no MFU on CPU without a peak (the table knows accelerators only).
+    assert all(FLOP_KEYS <= row.keys() and "mfu" not in row for row in rows["tiny_a"])
+    assert "device peak unknown (--peak-tflops gives it)" in stdout
+
+
+def test_freeze_stage1_trains_the_projector_only_and_reports_mfu(runs):
+    results, rows = runs
+    _check_ok(results["stage1"])
+    assert len(rows["stage1"]) == 3
+    for row in rows["stage1"]:
+        assert "grad_norm/projector" in row
+        assert "grad_norm/vision" not in row and "grad_norm/llm" not in row
+        assert {"mfu", "mfu/vision", "mfu/llm"} | FLOP_KEYS <= row.keys()
+        assert 0 < row["mfu"] < 1 and row["hardware_tflops_per_step"] > row["model_tflops_per_step"]
+    for part in ("vision", "llm"):  # frozen: the norm never moves
+        assert len({r[f"param_norm/{part}"] for r in rows["stage1"]}) == 1
+    assert len({r["param_norm/projector"] for r in rows["stage1"]}) > 1  # it trains
+    assert re.search(r"MFU\s+\d+\.\d+% \(llm \d+\.\d+%, vision", results["stage1"].stdout)
 
 
 def test_tiny_av_run_has_audio_metrics(runs):
@@ -173,6 +197,14 @@ BAD_INPUT = {
     "malformed-lr": (["--lr", "abc"], [r"--lr", r"positive number, got 'abc'"]),
     "malformed-steps": (["--steps", "two"], [r"--steps", r"positive integer, got 'two'"]),
     "unknown-flag": (["--bogus"], [r"unrecognized arguments: --bogus", r"--help"]),
+    "freeze-unknown": (
+        ["--freeze", "vsion"],
+        [r"error: --freeze names unknown part 'vsion'", r"vision"],
+    ),
+    "freeze-everything": (
+        ["--freeze", "vision,projector,llm"],
+        [r"error: --freeze names every part", r"leave at least one part out of --freeze"],
+    ),
     "negative-seed": (["--seed", "-1"], [r"--seed -1", r"non-negative"]),
     "metrics-dir-missing": (
         ["--metrics", "/nonexistent-hetjax-dir/m.jsonl"],

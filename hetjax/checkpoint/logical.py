@@ -125,12 +125,25 @@ def _host_target(x: Any) -> np.ndarray:
     return np.zeros(x.shape, x.dtype)
 
 
+def _trained(ex: Any, per_stage: Mapping[StageKey, Any]) -> dict[StageKey, Any]:
+    """The trainable parts of the stages that train any (what optimizer state covers:
+    frozen parts have none, so the full-tree state is that of the trainable tree)."""
+    return {
+        k: ex.programs[k].trainable_of(v) for k, v in per_stage.items() if ex.programs[k].trainable
+    }
+
+
+def _merged_opt(ex: Any, params: Mapping[StageKey, Any], opt: Mapping, scalar) -> Any:
+    trained = _trained(ex, params)
+    return merge_opt(ex.graph, trained, {k: opt[k] for k in trained}, ex.meshes, scalar)
+
+
 def executor_logical(ex: Any) -> Logical:
     """The executor's state as logical global arrays (views of its buffers)."""
     params = ex.state.params
     return {
         "params": merge(ex.graph, params, ex.meshes),
-        "opt_state": merge_opt(ex.graph, params, ex.state.opt_state, ex.meshes, lambda x: x),
+        "opt_state": _merged_opt(ex, params, ex.state.opt_state, lambda x: x),
     }
 
 
@@ -139,20 +152,29 @@ def executor_targets(ex: Any) -> Logical:
     params, opt = ex.abstract_state()
     return {
         "params": merge(ex.graph, params, ex.meshes),
-        "opt_state": merge_opt(ex.graph, params, opt, ex.meshes, _host_target),
+        "opt_state": _merged_opt(ex, params, opt, _host_target),
     }
 
 
 def executor_state(ex: Any, logical: Logical, step: int) -> TrainState:
     """Restored logical arrays -> the executor's per-stage :class:`TrainState`."""
     like_params, like_opt = ex.abstract_state()
-    full_keys = set(logical["params"])
+    full_keys = {n for p in ex.programs.values() for n in p.trainable}
     params, opt_state = {}, {}
     for key in like_params:
-        spec = ex.graph.module(key[0])
+        spec, prog = ex.graph.module(key[0]), ex.programs[key]
         params[key] = split(spec, key[1], logical["params"], like_params[key])
-        opt_state[key] = split_opt(
-            spec, key[1], logical["opt_state"], full_keys, like_params[key], like_opt[key]
+        opt_state[key] = (
+            split_opt(
+                spec,
+                key[1],
+                logical["opt_state"],
+                full_keys,
+                prog.trainable_of(like_params[key]),
+                like_opt[key],
+            )
+            if prog.trainable
+            else ()
         )
     return TrainState(params, opt_state, step)
 
@@ -162,7 +184,7 @@ def reference_logical(trainer: Any) -> Logical:
 
 
 def reference_targets(trainer: Any) -> Logical:
-    keys = set(trainer.params)
+    keys = set(trainer.trainable_keys)
 
     def target(x, params_like):
         if params_like:
@@ -177,7 +199,7 @@ def reference_targets(trainer: Any) -> Logical:
 
 
 def reference_state(trainer: Any, logical: Logical) -> tuple[Any, Any]:
-    keys = set(trainer.params)
+    keys = set(trainer.trainable_keys)
     replicated = jax.tree.leaves(trainer.params)[0].sharding
     leaves, treedef, marks = _flatten(logical["opt_state"], keys)
     opt = [

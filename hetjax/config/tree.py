@@ -57,6 +57,14 @@ class ModelConfig:
     dtype: Literal["float32", "bfloat16"] = doc(
         "float32", "compute dtype: float32 or bfloat16 (parameters stay float32)"
     )
+    freeze: str = doc(
+        "", "modules or parts not trained, comma-separated (vision = the encoder alone)"
+    )
+
+    @property
+    def frozen(self) -> tuple[str, ...]:
+        """The names in :attr:`freeze`."""
+        return tuple(n.strip() for n in self.freeze.split(",") if n.strip())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +106,9 @@ class ParallelConfig:
         False, "with tp > 1: activations between TP regions sharded on sequence"
     )
     reference: bool = doc(False, "train with the plain data-parallel reference trainer instead")
+    peak_tflops: float | None = doc(
+        None, "per-device peak TFLOP/s for mfu (None: the device table's, if it knows it)"
+    )
     devices: int | None = doc(
         None,
         "simulated CPU devices when there is no GPU (None: 8; on GPU: all visible); in a "
@@ -197,6 +208,7 @@ _RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "data.global_batch": (lambda v: v >= 1, "a positive integer"),
     "parallel.microbatches": (lambda v: v >= 1, "a positive integer"),
     "parallel.devices": (lambda v: v >= 1, "a positive integer"),
+    "parallel.peak_tflops": (lambda v: v > 0, "a positive number"),
     "parallel.islands": (lambda v: all(n >= 1 for n in v.values()), "positive device counts"),
     "parallel.layouts": (lambda v: all(k and t for k, t in v.items()), "non-empty texts"),
     "optimizer.lr": (lambda v: v > 0, "a positive number"),

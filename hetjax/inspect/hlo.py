@@ -281,3 +281,27 @@ def dp_all_reduce_shapes(
         if c.kind == "all-reduce" and any(len({replica_of[d] for d in g}) > 1 for g in c.groups):
             shapes.update(c.shapes)
     return shapes
+
+
+_DEF = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*[a-z][a-z0-9]*\[([0-9,]*)\]")
+_DOT = re.compile(r"\sdot\(%([\w.\-]+),\s*%[\w.\-]+\).*?lhs_contracting_dims=\{([0-9,]*)\}")
+
+
+def matmul_flops(hlo_text: str) -> float:
+    """FLOPs of every ``dot`` of one run of a compiled program, per device: ``2 x output
+    elements x contracted size``, times the runs of its computation (a while body counts
+    its known trip count, which XLA's ``cost_analysis()`` counts once: a scan over layers
+    would be undercounted by the layer count). Elementwise work is left out."""
+    comps, entry = _computations(hlo_text)
+    runs = _executions(comps, entry)
+    total = 0.0
+    for name, lines in comps.items():
+        if not runs.get(name):
+            continue
+        shapes = {m.group(1): _ints(m.group(2)) for l in lines if (m := _DEF.match(l))}
+        for line in lines:
+            if (d := _DOT.search(line)) and (out := _DEF.match(line)):
+                lhs = shapes[d.group(1)]
+                contracted = np.prod([lhs[i] for i in _ints(d.group(2))])
+                total += 2.0 * np.prod(_ints(out.group(2))) * contracted * runs[name]
+    return float(total)

@@ -5,6 +5,7 @@ from .executor import Executor as Executor
 from .graph import Link as Link
 from .graph import ModuleSpec as ModuleSpec
 from .graph import TrainGraph as TrainGraph
+from .graph import frozen_parts as frozen_parts
 from .loop import Hook as Hook
 from .loop import JsonlWriter as JsonlWriter
 from .loop import NonFiniteError as NonFiniteError
@@ -66,6 +67,7 @@ __all__ = [
     "clip_by_global_norm",
     "decay_mask",
     "full_params",
+    "frozen_parts",
     "homogeneous_graph",
     "learning_rate_schedule",
     "make_optimizer",

@@ -118,6 +118,9 @@ class Executor:
                 optimizer=optimizer,
                 options=options,
                 observers=self.observers,
+                backward=self.graph.has_backward(key),
+                input_grad=self._input_grad(key),
+                stash_frozen_output=self.graph.stashes_frozen_output(key),
             )
             for key in plan.stage_keys
         }
@@ -145,6 +148,18 @@ class Executor:
         }
         self.op_times: dict[tuple[str, StageKey], list[float]] = defaultdict(list)
         self._inflight = InFlight(devices[0].platform == "cpu" and not self.multiprocess)
+
+    def _input_grad(self, key: StageKey) -> bool | frozenset[str]:
+        """What stage ``key``'s backward differentiates besides its trainable parameters:
+        on a first stage the link inputs whose source runs a backward, later stages
+        their input if anything upstream trains."""
+        if key[1] > 0:
+            return self.graph.needs_input_grad(key)
+        return frozenset(
+            l.name
+            for l in self.graph.links_into(key[0])
+            if self.graph.has_backward((l.src, self.graph.module(l.src).layout.pp - 1))
+        )
 
     # -- state --------------------------------------------------------------------------
 
@@ -219,10 +234,16 @@ class Executor:
             if op.kind == "F":
                 x = inbox.pop((key, m), {} if prog.first else None)
                 data[(key, m)] = feed.inputs(prog, m)
-                stash[(key, m)] = x
+                kept = x  # what B starts from
                 if not (prog.is_sink and prog.last):  # the loss stage's F runs inside B
                     args = (params[key], x, data[(key, m)])
                     outbox[(key, m)] = self._run(op, prog, "fwd", args, profile)
+                    if prog.stash_frozen_output:
+                        outbox[(key, m)], kept = outbox[(key, m)]
+                if prog.backward:  # a forward-only stage keeps nothing for a B
+                    stash[(key, m)] = kept
+                else:
+                    data.pop((key, m))
             elif op.kind == "B":
                 g_out = grads_in.pop((key, m), None)
                 args = (params[key], acc[key], stash.pop((key, m)), data.pop((key, m)))
@@ -230,7 +251,7 @@ class Executor:
                 acc[key], gx, loss = self._run(op, prog, "bwd", args, profile)
                 if prog.is_sink and prog.last:
                     losses.append(loss)
-                if not (prog.first and not self.graph.links_into(key[0])):  # sources: none
+                if prog.input_grad:  # sources and stages with nothing trainable upstream: none
                     grads_out[(key, m)] = gx
             elif op.kind == "SEND_F":
                 # Free the output after its last send, so live activations follow the
@@ -249,6 +270,8 @@ class Executor:
                 prev = grads_in.get((src, m))
                 grads_in[(src, m)] = g_src if prev is None else prev + g_src
                 self._inflight.hold(prog.devices | self.programs[src].devices, grads_in[(src, m)])
+        if self.offload_encoders and phase == 1:  # no encoder backward ran (all frozen)
+            self._move_encoders("device")
         return self._finish(acc, losses, normalizer)
 
     def _run(self, op: Op, prog: StageProgram, kind: str, args: tuple, profile: bool) -> Any:

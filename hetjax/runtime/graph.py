@@ -7,6 +7,14 @@ parts run on the last stage. A :class:`Link` says that a module's output feeds a
 module's ``pre`` as a keyword argument (``image=...``). The graph's single sink returns
 the summed loss from its ``post``.
 
+Frozen parts (``ModuleSpec.frozen``, or :meth:`TrainGraph.freeze` by name) are not
+trained. The graph decides from them, per pipeline stage, what the executor runs
+(:meth:`TrainGraph.has_backward`, :meth:`TrainGraph.needs_input_grad`): "upstream"
+follows the data, encoders before the LLM, a module's parts in order and its stages in
+stage order. A stage whose parameters are all frozen and that has nothing trainable
+upstream runs forward only (no backward, no stash, no gradient sent back); a frozen
+stage downstream of trainable parameters computes activation gradients only.
+
 Example:
     >>> graph = TrainGraph(
     ...     modules=(
@@ -23,6 +31,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable, Mapping, Sequence
 
 from hetjax.meshes import Layout, LayoutError
 from hetjax.modules import StagedModule
@@ -44,10 +53,18 @@ class ModuleSpec:
     token_slots: tuple[tuple[str, str, int], ...] = ()  # (link input, sequence batch key,
     # placeholder id): the link's tokens replace that id's positions in order. With
     # cp > 1 each cp rank then receives only the tokens of the positions it stores.
+    frozen: frozenset[str] = frozenset()  # names of parts not trained (no gradient,
+    # optimizer state or DP reduction)
 
     def __post_init__(self):
         if not self.parts:
             raise LayoutError(f"{self.name}: a module needs at least one StagedModule part")
+        unknown = sorted(set(self.frozen) - set(self.param_keys))
+        if unknown:
+            raise LayoutError(
+                f"{self.name}: frozen names {unknown}, which are not its parts; use some of "
+                f"{list(self.param_keys)}"
+            )
         main = self.parts[0]
         if main.num_layers % self.layout.pp:
             raise LayoutError(
@@ -58,6 +75,16 @@ class ModuleSpec:
     @property
     def param_keys(self) -> tuple[str, ...]:
         return tuple(p.name for p in self.parts)
+
+    def stage_parts(self, stage: int) -> tuple[str, ...]:
+        """Names of the parts with parameters on ``stage`` (the first part on every stage,
+        the further parts on the last)."""
+        rest = self.param_keys[1:] if stage == self.layout.pp - 1 else ()
+        return (self.param_keys[0], *rest)
+
+    def trainable(self, stage: int) -> tuple[str, ...]:
+        """Names of the parts trained on ``stage``."""
+        return tuple(n for n in self.stage_parts(stage) if n not in self.frozen)
 
     def stage_layers(self, stage: int) -> tuple[int, int]:
         """Block range ``[start, stop)`` of ``parts[0]`` on pipeline stage ``stage``."""
@@ -108,6 +135,12 @@ class TrainGraph:
                         f"one of its seq_inputs {list(m.seq_inputs)}; add it there"
                     )
 
+        if self.modules and all(set(m.frozen) == set(m.param_keys) for m in self.modules):
+            raise LayoutError(
+                "freeze names every part, so nothing would train; leave at least one part "
+                "out of freeze"
+            )
+
     @property
     def sink(self) -> str:
         return next(m.name for m in self.modules if not any(l.src == m.name for l in self.links))
@@ -128,3 +161,77 @@ class TrainGraph:
                 dataclasses.replace(m, layout=layouts.get(m.name, m.layout)) for m in self.modules
             ),
         )
+
+    # -- frozen parts -------------------------------------------------------------------
+
+    def freeze(self, names: Iterable[str]) -> TrainGraph:
+        """This graph with ``names`` frozen: a part's name freezes that part, a module's
+        name that is not also a part's name freezes all its parts (in the MLLM a module is
+        named after its first part, so ``vision`` freezes the encoder, not its
+        projector)."""
+        frozen = frozen_parts(names, {m.name: m.param_keys for m in self.modules})
+        return dataclasses.replace(
+            self,
+            modules=tuple(
+                dataclasses.replace(m, frozen=m.frozen | (frozen & set(m.param_keys)))
+                for m in self.modules
+            ),
+        )
+
+    def trains_upstream(self, name: str) -> bool:
+        """Whether module ``name`` or any module feeding it (transitively) trains a part."""
+        spec = self.module(name)
+        return len(spec.frozen) < len(spec.parts) or any(
+            self.trains_upstream(l.src) for l in self.links_into(name)
+        )
+
+    def needs_input_grad(self, key: tuple[str, int]) -> bool:
+        """Whether stage ``key``'s backward must return the gradient of its input: some
+        parameter upstream of it trains."""
+        name, stage = key
+        spec = self.module(name)
+        return any(spec.trainable(s) for s in range(stage)) or any(
+            self.trains_upstream(l.src) for l in self.links_into(name)
+        )
+
+    def stashes_frozen_output(self, key: tuple[str, int]) -> bool:
+        """Whether stage ``key`` keeps its frozen first part's output for the backward
+        instead of its input: the module's last stage, not the sink, its first part frozen
+        with nothing trainable upstream and a later part trained (a frozen encoder under
+        its trained projector). Its backward then starts from that output, so the frozen
+        encoder runs forward once, never inside the backward."""
+        name, stage = key
+        spec = self.module(name)
+        return (
+            name != self.sink
+            and stage == spec.layout.pp - 1
+            and spec.param_keys[0] in spec.frozen
+            and bool(spec.trainable(stage))
+            and not self.needs_input_grad(key)
+        )
+
+    def has_backward(self, key: tuple[str, int]) -> bool:
+        """Whether stage ``key`` runs a backward: it trains a part, or a gradient passes
+        through it to trainable parameters upstream. Without one it runs forward only."""
+        return bool(self.module(key[0]).trainable(key[1])) or self.needs_input_grad(key)
+
+
+def frozen_parts(names: Iterable[str], modules: Mapping[str, Sequence[str]]) -> frozenset[str]:
+    """The part names that ``names`` freeze (see :meth:`TrainGraph.freeze`), given each
+    module's part names; one-line errors for an unknown name or freezing everything."""
+    parts = [p for ps in modules.values() for p in ps]
+    frozen: set[str] = set()
+    for name in names:
+        if name in parts:
+            frozen.add(name)
+        elif name in modules:
+            frozen.update(modules[name])
+        else:
+            raise LayoutError(
+                f"freeze names unknown part {name!r}; use modules or parts among {', '.join(parts)}"
+            )
+    if frozen == set(parts):
+        raise LayoutError(
+            "freeze names every part, so nothing would train; leave at least one part out of freeze"
+        )
+    return frozenset(frozen)

@@ -28,6 +28,7 @@ def run_training(
     tokens_per_step: int,
     hooks: Sequence[Hook] = (),
     start: int = 0,
+    flop_metrics: Callable[[float, float], Mapping[str, float]] | None = None,
 ) -> list[dict[str, float]]:
     """Runs ``step_fn(start) ... step_fn(steps - 1)``; returns the per-step metrics.
 
@@ -46,6 +47,9 @@ def run_training(
         tokens_per_step: tokens in one global batch, for throughput.
         hooks: observers, called in order after each step and at the end.
         start: the first step's index.
+        flop_metrics: ``(supervised tokens, step time) -> FLOP metrics`` added to each
+            step's (``model_tflops_per_step``, ``tflops_per_s``, ``mfu``, ...; see
+            :func:`hetjax.runtime.flops.throughput_metrics`).
     """
     history: list[dict[str, float]] = []
     pending: tuple[int, Mapping[str, Any]] | None = None
@@ -70,6 +74,8 @@ def run_training(
             step_time_s=elapsed,
             tokens_per_s=tokens_per_step / elapsed,
         )
+        if flop_metrics is not None:
+            metrics.update(flop_metrics(metrics["supervised_tokens"], elapsed))
         history.append(metrics)
         for hook in hooks:
             hook.on_step(done, metrics)
@@ -238,6 +244,7 @@ class Summary(Observer):
             ("first step (compile)", f"{history[0]['step_time_s']:.2f} s"),
             ("steady step time", f"{step_time * 1e3:.1f} ms"),
             ("throughput", f"{history[-1]['tokens'] / step_time:,.0f} tokens/s"),
+            *_flop_rows(steady),
             ("total wall time", f"{sum(m['step_time_s'] for m in history):.1f} s"),
         ]
         width = max(len(k) for k, _ in rows)
@@ -245,3 +252,23 @@ class Summary(Observer):
         lines += [f"  {k:<{width}}  {v}" for k, v in rows]
         self.stream.write("\n".join(lines) + "\n")
         self.stream.flush()
+
+
+def _flop_rows(steady: Sequence[Mapping[str, float]]) -> list[tuple[str, str]]:
+    """The summary's FLOP lines (means over the steady steps), if the loop measured them."""
+    if "tflops_per_s" not in steady[-1]:
+        return []
+
+    def mean(key: str) -> float:
+        return sum(m[key] for m in steady) / len(steady)
+
+    flops = (
+        f"{mean('model_tflops_per_step'):.4g} TFLOP/step model, "
+        f"{mean('hardware_tflops_per_step'):.4g} hardware (with recompute); "
+        f"{mean('tflops_per_s'):.4g} TFLOP/s"
+    )
+    if "mfu" not in steady[-1]:
+        return [("model FLOPs", flops), ("MFU", "device peak unknown (--peak-tflops gives it)")]
+    modules = sorted(k.split("/", 1)[1] for k in steady[-1] if k.startswith("mfu/"))
+    per = ", ".join(f"{m} {mean(f'mfu/{m}'):.2%}" for m in modules)
+    return [("model FLOPs", flops), ("MFU", f"{mean('mfu'):.2%} ({per})")]

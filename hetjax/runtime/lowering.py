@@ -119,3 +119,16 @@ def mark_last_sends(ops: list[Op]) -> tuple[Op, ...]:
             seen.add(key)
         out.append(op)
     return tuple(out[::-1])
+
+
+def drop_frozen(ops: tuple[Op, ...], graph: TrainGraph) -> tuple[Op, ...]:
+    """``ops`` without the work frozen parts make unnecessary: the B of a stage that runs
+    forward only (:meth:`TrainGraph.has_backward`) and every gradient send into one.
+    Dropping them keeps every remaining op's dependencies, so the order stays valid."""
+    kept = [
+        op
+        for op in ops
+        if not (op.kind == "B" and not graph.has_backward(op.stage))
+        and not (op.kind == "SEND_B" and not graph.has_backward(op.peer))
+    ]
+    return mark_last_sends(kept)

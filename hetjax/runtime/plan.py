@@ -26,7 +26,16 @@ from hetjax.meshes import (
     validate_layout,
 )
 from hetjax.runtime.graph import TrainGraph
-from hetjax.runtime.lowering import MODES, Mode, Op, ScheduleOrder, StageKey, build_schedule, lower
+from hetjax.runtime.lowering import (
+    MODES,
+    Mode,
+    Op,
+    ScheduleOrder,
+    StageKey,
+    build_schedule,
+    drop_frozen,
+    lower,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,7 +185,7 @@ def plan_run(
         positions=positions,
         microbatches=microbatches,
         schedule=sched,
-        ops=lower(sched, fused=mode == "homogeneous"),
+        ops=drop_frozen(lower(sched, fused=mode == "homogeneous"), graph),
         offload_encoders=offload_encoders,
         routed=routed,
     )

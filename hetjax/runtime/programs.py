@@ -17,6 +17,16 @@ Two choices that matter for speed and equality with the reference:
   non-expert weights are summed over ``ep`` within the microbatch.)
   :meth:`StageProgram.reduce` sums that axis once per step: one DP reduction per
   parameter per step, whatever the microbatch count.
+- **Frozen parts are constants.** The backward differentiates (``jax.vjp``) only with
+  respect to the stage's trainable parts and to the inputs whose gradient some trainable
+  parameter upstream needs; frozen parameters are closed over, so XLA emits no
+  weight-gradient matmuls for them (through a frozen LLM only activation gradients flow).
+  Accumulators, the reduction and the optimizer state cover the trainable parts only; a
+  frozen part's parameters pass through the update unchanged (their norm is still
+  reported, so ``param_norm/<part>`` stays constant). Where a frozen encoder with
+  nothing trainable upstream shares its last stage with a trained projector, the
+  forward keeps the encoder's output and the backward starts there, so the encoder is
+  not recomputed (``stash_frozen_output``).
 """
 
 from __future__ import annotations
@@ -113,22 +123,34 @@ class StageProgram:
         optimizer: OptimizerConfig | optax.GradientTransformation,
         options: ParallelOptions = ParallelOptions(),
         observers: Observers | None = None,
+        backward: bool = True,
+        input_grad: bool | frozenset[str] = True,
+        stash_frozen_output: bool = False,
     ):
         self.spec, self.stage, self.mesh = spec, stage, mesh
         self.options = options
         self.first = stage == 0
         self.last = stage == spec.layout.pp - 1
         self.is_sink = is_sink
+        self.backward = backward  # False: forward only (frozen, nothing trains upstream)
+        # Which inputs the backward differentiates: later stages all or nothing; a first
+        # stage the link inputs named (True: all of them).
+        self.input_grad = input_grad
+        # The forward also returns the frozen first part's output, which the backward
+        # starts from (TrainGraph.stashes_frozen_output): no frozen encoder recompute.
+        self.stash_frozen_output = stash_frozen_output
+        self.trainable = spec.trainable(stage)  # part names whose parameters train here
         self.replicas = mesh.shape[REPLICA_AXIS]
         self.axes = self.slice_params({p.name: p.logical_axes() for p in spec.parts})
         self.param_shardings = param_shardings(self.axes, mesh)
         self.replicated = NamedSharding(mesh, P())
         self.devices = frozenset(mesh.devices.flat)
         self.acc_shardings = jax.tree.map(
-            lambda s: NamedSharding(mesh, P(REPLICA_AXIS, *s.spec)), self.param_shardings
+            lambda s: NamedSharding(mesh, P(REPLICA_AXIS, *s.spec)),
+            self.trainable_of(self.param_shardings),
         )
         if isinstance(optimizer, OptimizerConfig):
-            optimizer = make_optimizer(optimizer, logical_axes=self.axes)
+            optimizer = make_optimizer(optimizer, logical_axes=self.trainable_of(self.axes))
         self.optimizer = optax.with_extra_args_support(optimizer)
         key = (spec.name, stage)
         observers = observers or Observers()
@@ -148,23 +170,26 @@ class StageProgram:
         self.zeros = program(self._zeros, "zeros", out_shardings=self.acc_shardings)
         # ZeRO-1: reduced gradients and optimiser moments split over dp, so the one DP
         # reduction is a reduce-scatter and the update's output an all-gather.
-        self.grad_shardings = self.param_shardings
+        self.grad_shardings = self.trainable_of(self.param_shardings)
         if options.zero1:
             self.grad_shardings = jax.tree.map(
                 lambda sh, a: zero1_sharding(sh, a.shape),
-                self.param_shardings,
-                self._abstract_stage(),
+                self.grad_shardings,
+                self._abstract_trainable(),
             )
         self.reduce = program(self._reduce, "reduce", out_shardings=(self.grad_shardings, None))
-        # Optimiser moments are sharded like their gradients; counters are replicated.
-        self.state_shardings = optax.tree_map_params(
-            self.optimizer,
-            lambda _, sharding: sharding,
-            jax.eval_shape(self.optimizer.init, self._abstract_stage()),
-            self.grad_shardings,
-            transform_non_params=lambda _: self.replicated,
-        )
-        self.init_opt_state = jax.jit(self.optimizer.init, out_shardings=self.state_shardings)
+        # Optimiser moments are sharded like their gradients; counters are replicated. A
+        # stage that trains nothing keeps no optimizer state at all (an empty tuple).
+        self.state_shardings = ()
+        if self.trainable:
+            self.state_shardings = optax.tree_map_params(
+                self.optimizer,
+                lambda _, sharding: sharding,
+                jax.eval_shape(self.optimizer.init, self._abstract_trainable()),
+                self.grad_shardings,
+                transform_non_params=lambda _: self.replicated,
+            )
+        self._init_opt = jax.jit(self._opt_init, out_shardings=self.state_shardings)
         self.update = program(
             self._update,
             "update",
@@ -178,6 +203,17 @@ class StageProgram:
         """This stage's part of a full parameter (or logical-axes) tree."""
         return slice_stage(self.spec, self.stage, full)
 
+    def trainable_of(self, tree: dict[str, Any]) -> dict[str, Any]:
+        """The trainable parts of a stage-shaped tree."""
+        return {k: v for k, v in tree.items() if k in self.trainable}
+
+    def _opt_init(self, trainable: dict[str, Any]) -> Any:
+        return self.optimizer.init(trainable) if self.trainable else ()
+
+    def init_opt_state(self, params: dict[str, Any]) -> Any:
+        """The optimizer state of this stage's (placed) parameters' trainable parts."""
+        return self._init_opt(self.trainable_of(params))
+
     def abstract_state(self) -> tuple[Any, Any]:
         """This stage's parameters and optimizer state as ``ShapeDtypeStruct`` s carrying
         their shardings (what a checkpoint restores into)."""
@@ -186,7 +222,7 @@ class StageProgram:
             return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
 
         params = self._abstract_stage()
-        opt = jax.eval_shape(self.optimizer.init, params)
+        opt = jax.eval_shape(self._opt_init, self.trainable_of(params))
         return (
             jax.tree.map(sds, params, self.param_shardings),
             jax.tree.map(sds, opt, self.state_shardings),
@@ -205,8 +241,12 @@ class StageProgram:
         *,
         per_replica: bool = False,
         loss_scale: Any = None,
+        segment: str = "all",
     ) -> jax.Array:
         """Stage forward; ``x`` is ``{link name: tokens}`` on a first stage, else an array.
+
+        ``segment``: ``"all"``; ``"main"``, only the first part (its output); ``"rest"``,
+        from the first part's output ``x`` through the further parts.
 
         On the sink's last stage the result is the SUMMED loss. ``per_replica``: called
         inside the backward's vmap over data-parallel replicas (the batch axes are the
@@ -224,11 +264,17 @@ class StageProgram:
             routed=routed,
             sequence_parallel=self.options.sequence_parallel,
         ):
-            return self._apply(params, x, batch, per_replica)
+            if segment == "rest":
+                return self._apply_rest(params, x, per_replica)
+            h = self._apply_main(params, x, batch, per_replica)
+            if segment == "main" or not self.last or self.is_sink:
+                return h
+            return self._apply_rest(params, h, per_replica)
 
-    def _apply(self, params, x, batch, per_replica):
-        parts = self.spec.parts
-        main = parts[0]
+    def _apply_main(self, params, x, batch, per_replica):
+        """The first part's pre (first stage), blocks and post (last stage); on the sink's
+        last stage the summed loss."""
+        main = self.spec.parts[0]
         mine = params[main.name]
         if self.first:
             args = [batch[k] for k in self.spec.inputs]
@@ -250,7 +296,11 @@ class StageProgram:
             return main.apply_post(mine["post"], h, *[batch[k] for k in self.spec.loss_inputs])
         if "post" in mine:
             h = main.apply_post(mine["post"], h)
-        for part in parts[1:]:
+        return h
+
+    def _apply_rest(self, params, h, per_replica):
+        """The further parts of a non-sink module's last stage, and its output layout."""
+        for part in self.spec.parts[1:]:
             h = part(params[part.name], h)
         if sequence_axes(self.mesh) is not None:
             # A module's output leaves batch-split and whole over cp (the boundary's
@@ -288,6 +338,9 @@ class StageProgram:
     # -- programs -----------------------------------------------------------------------
 
     def _forward(self, params, x, batch):
+        if self.stash_frozen_output:  # (output, what the backward starts from)
+            h = self.apply(params, x, batch, segment="main")
+            return self.apply(params, h, batch, segment="rest"), h
         return self.apply(params, x, batch)
 
     def _backward(self, params, acc, x, batch, g_out, normalizer):
@@ -296,12 +349,23 @@ class StageProgram:
         def split(a):
             return a.reshape(r, a.shape[0] // r, *a.shape[1:])
 
+        trained, frozen = self.trainable_of(params), self._frozen_of(params)
+
         def per_replica(x_r, batch_r, g_r):
-            def f(p, xx):
-                y = self.apply(p, xx, batch_r, per_replica=True, loss_scale=1.0 / normalizer)
+            x_diff, rebuild = self._split_input(x_r)
+
+            def f(p, xd):  # frozen parameters and undifferentiated inputs are constants
+                y = self.apply(
+                    {**frozen, **p},
+                    rebuild(xd),
+                    batch_r,
+                    per_replica=True,
+                    loss_scale=1.0 / normalizer,
+                    segment="rest" if self.stash_frozen_output else "all",
+                )
                 return y / normalizer if self.is_sink and self.last else y
 
-            y, vjp = jax.vjp(f, params, x_r)
+            y, vjp = jax.vjp(f, trained, x_diff)
             cot = jnp.ones_like(y) if g_r is None else g_r
             gp, gx = vjp(cot)
             loss = y if self.is_sink and self.last else jnp.zeros((), jnp.float32)
@@ -314,13 +378,31 @@ class StageProgram:
         gx = jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]), gx)
         return acc, gx, jnp.sum(loss)
 
+    def _frozen_of(self, tree: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in tree.items() if k not in self.trainable}
+
+    def _split_input(self, x: Any) -> tuple[Any, Any]:
+        """The stage input's parts to differentiate, and how to rebuild the input from
+        them (the rest are constants of the backward)."""
+        if isinstance(x, dict):
+            names = set(x) if self.input_grad is True else set(self.input_grad or ())
+            const = {k: v for k, v in x.items() if k not in names}
+            return {k: v for k, v in x.items() if k in names}, lambda d: {**d, **const}
+        if self.input_grad:
+            return x, lambda d: d
+        return None, lambda _: x
+
+    def _abstract_trainable(self):
+        return self.trainable_of(self._abstract_stage())
+
     def _abstract_stage(self):
         full = {p.name: p.abstract_params() for p in self.spec.parts}
         return jax.eval_shape(self.slice_params, full)
 
     def _zeros(self):
         return jax.tree.map(
-            lambda s: jnp.zeros((self.replicas, *s.shape), jnp.float32), self._abstract_stage()
+            lambda s: jnp.zeros((self.replicas, *s.shape), jnp.float32),
+            self._abstract_trainable(),
         )
 
     def _reduce(self, acc):
@@ -328,15 +410,18 @@ class StageProgram:
         return grads, sqnorms_by_key(grads)
 
     def _update(self, params, opt_state, grads, global_norm):
-        old_state = opt_state
+        if not self.trainable:  # nothing to update; the norms are still reported
+            return params, opt_state, sqnorms_by_key(params)
+        old_state, trained = opt_state, self.trainable_of(params)
         # hetjax.clip_by_global_norm in the chain clips with the norm of ALL stages.
         updates, opt_state = self.optimizer.update(
-            grads, opt_state, params, global_norm=global_norm
+            grads, opt_state, trained, global_norm=global_norm
         )
-        new = optax.apply_updates(params, updates)
+        new = optax.apply_updates(trained, updates)
         if self.options.skip_nonfinite:  # every stage sees the same global norm
             keep = ~jnp.isfinite(global_norm)
             new, opt_state = jax.tree.map(
-                lambda n, o: jnp.where(keep, o, n), (new, opt_state), (params, old_state)
+                lambda n, o: jnp.where(keep, o, n), (new, opt_state), (trained, old_state)
             )
+        new = {**params, **new}  # frozen parts pass through unchanged
         return new, opt_state, sqnorms_by_key(new)

@@ -8,11 +8,15 @@ the microbatch count and the data-parallel degree (up to float reordering).
 
 The whole step (microbatch scan, gradient reduction, clipping, AdamW) is one jit on a
 1-D ``("dp",)`` mesh; with one device it is the single-device reference.
+
+Frozen modules (``frozen``) are constants of the gradient and the optimizer sees only
+the trainable subtree: its state, its clipping norm and its updates are those of the
+executor with the same parts frozen, so both give the same numbers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -67,6 +71,8 @@ class ReferenceTrainer:
         devices: devices of the 1-D data-parallel mesh (one device: no parallelism).
         microbatches: gradient-accumulation steps per global batch.
         mask_key: batch key whose sum over the global batch is the loss normaliser.
+        frozen: top-level keys of ``params`` not trained (no gradient, no optimizer
+            state; ``optimizer`` is applied to the other keys' subtree only).
     """
 
     def __init__(
@@ -78,7 +84,14 @@ class ReferenceTrainer:
         devices: Sequence[jax.Device],
         microbatches: int = 1,
         mask_key: str = "loss_mask",
+        frozen: Collection[str] = (),
     ):
+        unknown = sorted(set(frozen) - set(params))
+        if unknown:
+            raise ValueError(f"frozen names {unknown}, which are not keys of params {list(params)}")
+        self.trainable_keys = tuple(k for k in params if k not in frozen)
+        if not self.trainable_keys:
+            raise ValueError("frozen names every module, so nothing would train; unfreeze one")
         self.mesh = Mesh(np.asarray(devices), ("dp",))
         self.microbatches = microbatches
         self.optimizer = optimizer
@@ -90,27 +103,31 @@ class ReferenceTrainer:
         self.params = jax.device_put(
             jax.tree.map(lambda a: jnp.array(a, copy=True), params), replicated
         )
-        self.opt_state = jax.jit(optimizer.init, out_shardings=replicated)(self.params)
+        self.opt_state = jax.jit(optimizer.init, out_shardings=replicated)(
+            self.trainable(self.params)
+        )
 
         def train_step(params, opt_state, batch_MxB):
             normalizer = jnp.maximum(jnp.sum(batch_MxB[mask_key]), 1.0)
+            trained = self.trainable(params)
+            constants = {k: v for k, v in params.items() if k not in trained}
 
             def loss_fn(p, mb):
                 # Aux losses inside blocks (MoE balancing) take their gradient scale here.
                 with parallel_context(None, batch_axes=None, loss_scale=1.0 / normalizer):
-                    return loss_sum_fn(p, mb) / normalizer
+                    return loss_sum_fn({**constants, **p}, mb) / normalizer
 
             grad_fn = jax.value_and_grad(loss_fn)
 
             def accumulate(carry, mb):
                 loss, grads = carry
-                mb_loss, mb_grads = grad_fn(params, mb)
+                mb_loss, mb_grads = grad_fn(trained, mb)
                 return (loss + mb_loss, jax.tree.map(jnp.add, grads, mb_grads)), None
 
-            zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+            zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, trained))
             (loss, grads), _ = jax.lax.scan(accumulate, zeros, batch_MxB)
-            updates, opt_state = optimizer.update(grads, opt_state, params)
-            params = optax.apply_updates(params, updates)
+            updates, opt_state = optimizer.update(grads, opt_state, trained)
+            params = {**params, **optax.apply_updates(trained, updates)}
             metrics = {
                 "loss": loss,
                 "grad_norm": tree_norm(grads),
@@ -121,6 +138,10 @@ class ReferenceTrainer:
             return params, opt_state, metrics
 
         self._step = jax.jit(train_step, donate_argnums=(0, 1))
+
+    def trainable(self, tree: Mapping[str, Any]) -> dict[str, Any]:
+        """The trainable modules' subtree of a ``params``-shaped tree."""
+        return {k: tree[k] for k in self.trainable_keys}
 
     @property
     def num_devices(self) -> int:

@@ -51,23 +51,30 @@ def slice_stage(
 
     The first stage holds the main part's ``pre``, every stage its own block range, the
     last stage the main part's ``post`` and all further parts (e.g. the projector).
-    ``take(leaf, start, stop)`` cuts a stacked leaf to the stage's layers.
+    ``take(leaf, start, stop)`` cuts a stacked leaf to the stage's layers. Parts that
+    ``full`` leaves out (frozen ones, in an optimizer state's view) are left out too.
     """
     main = spec.parts[0]
     first, last = stage == 0, stage == spec.layout.pp - 1
     start, stop = spec.stage_layers(stage)
+    sliced: dict[str, Any] = {}
+    if main.name in full:
+        sliced[main.name] = _slice_main(full[main.name], first, last, start, stop, take)
+    if last:
+        sliced.update({p.name: full[p.name] for p in spec.parts[1:] if p.name in full})
+    return sliced
+
+
+def _slice_main(main: Mapping[str, Any], first, last, start, stop, take) -> dict[str, Any]:
     own: dict[str, Any] = {}
-    for part, tree in full[main.name].items():
+    for part, tree in main.items():
         if part == "pre" and first or part == "post" and last:
             own[part] = tree
         elif part == "blocks":
             own[part] = jax.tree.map(
                 lambda a: take(a, start, stop), tree, is_leaf=lambda x: isinstance(x, tuple)
             )
-    sliced = {main.name: own}
-    if last:
-        sliced.update({p.name: full[p.name] for p in spec.parts[1:]})
-    return sliced
+    return own
 
 
 def merge_stages(
@@ -78,25 +85,31 @@ def merge_stages(
     """Per-stage parameter-shaped trees -> one tree keyed by part name, the inverse of
     :func:`slice_stage` over all stages: ``pre`` from the first stage, ``post`` and further
     parts from the last, and each ``blocks`` leaf joined over the stages in order by
-    ``stack(module name, [leaf of stage 0, 1, ...])``."""
+    ``stack(module name, [leaf of stage 0, 1, ...])``. Parts that the trees leave out
+    (frozen ones, in an optimizer state's view) are left out of the result too."""
     out: dict[str, Any] = {}
     for spec in graph.modules:
         main = spec.parts[0]
-        stages = [per_stage[(spec.name, s)] for s in range(spec.layout.pp)]
-        tree = {}
-        if "pre" in stages[0][main.name]:
-            tree["pre"] = stages[0][main.name]["pre"]
-        if "blocks" in stages[0][main.name]:
-            tree["blocks"] = jax.tree.map(
-                lambda *xs, name=spec.name: stack(name, list(xs)),
-                *[s[main.name]["blocks"] for s in stages],
-            )
-        if "post" in stages[-1][main.name]:
-            tree["post"] = stages[-1][main.name]["post"]
-        out[main.name] = tree
+        trees = [per_stage.get((spec.name, s), {}) for s in range(spec.layout.pp)]
+        if all(main.name in t for t in trees):
+            out[main.name] = _merge_main([t[main.name] for t in trees], spec.name, stack)
         for part in spec.parts[1:]:
-            out[part.name] = stages[-1][part.name]
+            if part.name in trees[-1]:
+                out[part.name] = trees[-1][part.name]
     return out
+
+
+def _merge_main(stages: list[Any], name: str, stack: Callable[[str, list], Any]) -> Any:
+    tree = {}
+    if "pre" in stages[0]:
+        tree["pre"] = stages[0]["pre"]
+    if "blocks" in stages[0]:
+        tree["blocks"] = jax.tree.map(
+            lambda *xs: stack(name, list(xs)), *[s["blocks"] for s in stages]
+        )
+    if "post" in stages[-1]:
+        tree["post"] = stages[-1]["post"]
+    return tree
 
 
 def full_params(graph: TrainGraph, params: Mapping[StageKey, Any]) -> dict[str, Any]:

@@ -19,7 +19,7 @@ import pytest
 
 import hetjax
 from hetjax import Layout
-from hetjax.checkpoint import Checkpointer, CheckpointError
+from hetjax.checkpoint import Checkpointer, CheckpointError, logical
 from models.config import get_preset
 from models.data import DataConfig, SyntheticLlava
 from models.mllm import MLLM
@@ -189,3 +189,46 @@ def test_metadata_holds_the_shapes_and_what_the_caller_gave(saved):
     assert meta["step"] == SAVED and meta["model"] == {"preset": "tiny"}
     assert meta["shapes"]["llm/blocks/k/kernel"][0] == get_preset("tiny").llm.depth
     json.dumps(meta)
+
+
+def test_frozen_parts_checkpoint_and_resume_elsewhere(tmp_path):
+    """With the vision encoder frozen (its first stage forward only, no optimizer state),
+    a checkpoint holds the trained parts' optimizer state only and resumes into another
+    layout and into the reference trainer with the same freeze."""
+    model, params, batches = setup()
+    freeze = ("vision",)
+
+    def executor(layouts, n, **kwargs):
+        parsed = {k: Layout.parse(v) for k, v in layouts.items()}
+        graph = model.train_graph(parsed, freeze=freeze)
+        p = hetjax.plan_run(graph, num_devices=n, microbatches=2, **kwargs)
+        return hetjax.Executor(p, devices=jax.devices()[:n], optimizer=OPTIMIZER, params=params)
+
+    first = executor(
+        {"vision": "dp=2,pp=2", "llm": "dp=2,pp=2"},
+        8,
+        mode="non-colocated",
+        islands={"vision": 4, "llm": 4},
+    )
+    for b in batches[:SAVED]:
+        first.step(b)
+    hetjax.checkpoint.save(tmp_path, first, SAVED, metadata={"model": {"preset": "tiny"}})
+    losses = [float(first.step(b)["loss"]) for b in batches[SAVED:]]
+    opt = logical.executor_logical(first)["opt_state"]
+    moments = jax.tree.leaves(opt, is_leaf=lambda x: isinstance(x, dict) and "llm" in x)
+    moments = [m for m in moments if isinstance(m, dict)]  # Adam's mu and nu
+    assert len(moments) == 2 and all(set(m) == {"projector", "llm"} for m in moments)
+
+    other = executor(SAVED_LAYOUT, 8)
+    np.testing.assert_allclose(continue_from(tmp_path, other), losses, rtol=1e-5)
+    axes = {n: m.logical_axes() for n, m in model.modules.items() if n not in freeze}
+    tx = hetjax.make_optimizer(OPTIMIZER, logical_axes=axes)
+    ref = hetjax.ReferenceTrainer(
+        model.loss_sum, params, tx, devices=jax.devices()[:1], frozen=freeze
+    )
+    np.testing.assert_allclose(continue_from(tmp_path, ref), losses, rtol=1e-5)
+    jax.tree.map(  # the frozen encoder never moved
+        np.testing.assert_array_equal,
+        jax.device_get(ref.params["vision"]),
+        jax.device_get(params["vision"]),
+    )

@@ -44,15 +44,20 @@ class Case:
     microbatches: int
     schedule: str = "1f1b"
     options: tuple[str, ...] = ()  # ParallelOptions switches to turn on
+    freeze: tuple[str, ...] = ()  # modules or parts not trained (MLLM.train_graph's freeze)
 
     @property
     def parsed(self) -> dict[str, Layout]:
         return {name: Layout.parse(text, module=name) for name, text in self.layouts}
 
 
-def case(preset, mode, microbatches, schedule="1f1b", *, slow=False, options=(), id, **layouts):
+def case(
+    preset, mode, microbatches, schedule="1f1b", *, slow=False, options=(), freeze=(), id, **layouts
+):
     """A ``pytest.param`` of a :class:`Case`, marked ``slow`` if asked."""
-    c = Case(preset, mode, tuple(layouts.items()), microbatches, schedule, tuple(options))
+    c = Case(
+        preset, mode, tuple(layouts.items()), microbatches, schedule, tuple(options), tuple(freeze)
+    )
     return pytest.param(c, id=id, marks=[pytest.mark.slow] if slow else [])
 
 
@@ -66,19 +71,21 @@ class Reference:
 
 
 @functools.cache
-def reference(preset: str, global_batch: int) -> Reference:
-    """The single-device run of ``STEPS`` steps of ``preset`` (computed once per process)."""
+def reference(preset: str, global_batch: int, frozen: frozenset[str] = frozenset()) -> Reference:
+    """The single-device run of ``STEPS`` steps of ``preset`` with the parts ``frozen``
+    (computed once per process)."""
     cfg = get_preset(preset)
     model = MLLM(cfg)
     params = model.init(jax.random.key(0))
     data = SyntheticLlava(DataConfig.for_model(cfg, seq_len=cfg.seq_len, seed=0))
     batches = [data.batch(s, global_batch) for s in range(STEPS)]
-    axes = {name: m.logical_axes() for name, m in model.modules.items()}
+    axes = {n: m.logical_axes() for n, m in model.modules.items() if n not in frozen}
     trainer = hetjax.ReferenceTrainer(
         model.loss_sum,
         params,
         hetjax.make_optimizer(OPTIMIZER, logical_axes=axes),
         devices=jax.devices()[:1],
+        frozen=frozen,
     )
     metrics, after_one = [], None
     for s, batch in enumerate(batches):
@@ -92,8 +99,9 @@ def compared_keys(metrics: dict) -> list[str]:
     return sorted(k for k in metrics if k in ("loss", "grad_norm") or "_norm/" in k)
 
 
-def check_matches_reference(case: Case, ref: Reference) -> None:
-    """Trains ``case`` on all devices over ``ref``'s batches and checks it against ``ref``."""
+def check_matches_reference(case: Case, ref: Reference) -> hetjax.Executor:
+    """Trains ``case`` on all devices over ``ref``'s batches and checks it against ``ref``
+    (trained with the same parts frozen); returns the executor after the last step."""
     layouts = case.parsed
     ref.model.validate_layouts(layouts, seq_len=ref.batches[0]["tokens"].shape[1])
     islands = (
@@ -102,7 +110,7 @@ def check_matches_reference(case: Case, ref: Reference) -> None:
         else None
     )
     ex = hetjax.Executor(
-        ref.model.train_graph(layouts),
+        ref.model.train_graph(layouts, freeze=case.freeze),
         ref.params,
         devices=jax.devices(),
         mode=case.mode,
@@ -124,7 +132,8 @@ def check_matches_reference(case: Case, ref: Reference) -> None:
     # Every step: the same metric names, and values per step.
     keys = compared_keys(ref.metrics[0])
     assert compared_keys(got[0]) == keys
-    assert {f"grad_norm/{name}" for name in ref.params} <= set(keys)
+    frozen = ref.model.frozen_parts(case.freeze) if case.freeze else frozenset()
+    assert {f"grad_norm/{name}" for name in ref.params if name not in frozen} <= set(keys)
     for key in keys:
         np.testing.assert_allclose(
             [m[key] for m in got], [m[key] for m in ref.metrics], rtol=1e-5, atol=0, err_msg=key
@@ -135,3 +144,4 @@ def check_matches_reference(case: Case, ref: Reference) -> None:
 
     # The caller's parameters are intact.
     assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(ref.params))
+    return ex

@@ -1,0 +1,240 @@
+"""What freezing saves: compiled FLOPs, optimizer state, memory and time per step.
+
+    python -m experiments.bench_freeze --json out.json [--quick] [--steps N]
+
+Three rows, each one :class:`hetjax.Executor` of the ``small`` preset (``--quick``, for
+the test: ``tiny``) on 8 simulated CPU devices, non-colocated (vision ``dp=2,pp=2`` |
+LLM ``dp=2,pp=2`` on islands 4 + 4; the pipelined encoder shows a forward-only stage),
+global batch 8 in 2 microbatches: ``full`` (everything trains), ``vision`` (LLaVA stage
+2: the encoder is frozen) and ``vision,llm`` (stage 1: only the projector trains).
+Keys:
+
+- ``compiled_flops_per_step``: the matmul FLOPs of the compiled HLO of every program one
+  step calls (:func:`hetjax.inspect.hlo.matmul_flops`, per device, times the stage's
+  devices), summed over the calls (a :class:`hetjax.inspect.Recorder` counts them).
+  ``xla_cost_analysis_flops_per_step`` is the same sum of ``compiled.cost_analysis()``,
+  which counts elementwise work too but a while body once, so the layer scan's blocks
+  count as one layer.
+- ``flops_ratio_vs_full``: that over the ``full`` row's.
+- ``expected_ratio``: the same ratio from the 3x / 2x / 1x rule with the forward the
+  backward recomputes (``expected_flops_per_step``:
+  :func:`hetjax.runtime.flops.hardware_flops` over the forward FLOPs per part that the
+  kernels compute: causal attention in full, the LM head over every token);
+  ``model_tflops_per_step`` is the rule without recompute; ``compiled_vs_expected``
+  is ``compiled_flops_per_step / expected_flops_per_step``.
+- ``opt_state_bytes``: bytes of the optimizer state of all stages (every array once);
+  AdamW keeps two moments per trained parameter, so it is at most ``2 x
+  trainable_param_bytes`` plus step counters unless frozen parts have state.
+- ``peak_bytes_per_stage``: per stage, the largest footprint of its programs
+  (:func:`hetjax.inspect.memory.peak_bytes`).
+- ``step_time_s``: median wall time of steps 2..``--steps``, each waited for in full.
+
+Exits non-zero unless in every row the compiled FLOPs are within 5% of the expected
+ones, absolute and as a ratio to ``full``, and no frozen part has optimizer state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+DEVICES = 8
+GLOBAL_BATCH = 8
+MICROBATCHES = 2
+LAYOUTS = {"vision": "dp=2,pp=2", "llm": "dp=2,pp=2"}
+FREEZES = ((), ("vision",), ("vision", "llm"))
+TOLERANCE = 0.05  # compiled FLOP ratio vs the rule's
+COUNTER_BYTES = 1024  # optimizer step counters of all stages, at most
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+    json: str | None = None  # where to write the rows (a JSON list); None: print only
+    quick: bool = False  # the tiny preset (for the test)
+    steps: int = 4  # steps per row (the first compiles)
+
+
+def _cost_flops(compiled: Any) -> float:
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    return float(cost.get("flops", 0.0))
+
+
+def _nbytes(tree: Any) -> int:
+    import jax
+
+    return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(tree))
+
+
+def run(freeze: tuple[str, ...], work: dict, steps: int) -> dict:
+    """One row: trains ``steps`` steps with ``freeze``, counting the second step's calls."""
+    import jax
+
+    import hetjax
+    from hetjax.inspect import Recorder
+    from hetjax.inspect.hlo import matmul_flops
+    from hetjax.inspect.memory import peak_bytes
+    from hetjax.runtime import flops
+
+    model, batches = work["model"], work["batches"]
+    layouts = {k: hetjax.Layout.parse(v) for k, v in LAYOUTS.items()}
+    graph = model.train_graph(layouts, freeze=freeze)
+    rec = Recorder()
+    ex = hetjax.Executor(
+        graph,
+        work["params"],
+        devices=work["devices"],
+        mode="non-colocated",
+        islands={k: l.num_devices for k, l in layouts.items()},
+        microbatches=MICROBATCHES,
+        optimizer=hetjax.OptimizerConfig(total_steps=steps),
+        observers=[rec],
+    )
+    jax.block_until_ready(ex.step(batches[0]))  # compiles
+    rec.calls.clear()
+    times = []
+    for batch in batches[1:steps]:
+        t0 = time.perf_counter()
+        jax.block_until_ready((ex.step(batch), ex.state))
+        times.append(time.perf_counter() - t0)
+        rec.pause()  # calls of exactly one step
+    size = {key: prog.mesh.size for key, prog in ex.programs.items()}
+
+    def per_step(count) -> float:  # per-device count x devices, over one step's calls
+        return sum(
+            n * count(rec.compiled[(key, kind)]) * size[key] for (key, kind), n in rec.calls.items()
+        )
+
+    compiled = per_step(lambda c: matmul_flops(c.as_text()))
+    supervised = int(batches[1]["loss_mask"].sum())
+    forward = model.config.forward_flops(GLOBAL_BATCH, work["seq_len"], supervised)
+    executed = model.config.forward_flops(GLOBAL_BATCH, work["seq_len"], supervised, executed=True)
+    attention = model.config.attention_flops(GLOBAL_BATCH, work["seq_len"], executed=True)
+    frozen = model.frozen_parts(freeze) if freeze else frozenset()
+    trainable = {k: v for k, v in work["params"].items() if k not in frozen}
+    peaks: dict[str, int] = {}
+    for (key, _), c in rec.compiled.items():
+        name = f"{key[0]}/{key[1]}"
+        peaks[name] = max(peaks.get(name, 0), peak_bytes(c))
+    return {
+        "freeze": ",".join(freeze) or "none",
+        "compiled_flops_per_step": compiled,
+        "xla_cost_analysis_flops_per_step": per_step(_cost_flops),
+        "expected_flops_per_step": sum(flops.hardware_flops(graph, executed, attention).values()),
+        "model_tflops_per_step": sum(flops.model_flops(graph, forward).values()) / 1e12,
+        "opt_state_bytes": _nbytes(ex.opt_state),
+        "trainable_param_bytes": _nbytes(trainable),
+        "peak_bytes_per_stage": peaks,
+        "step_time_s": statistics.median(times),
+        "backward_stages": sorted(f"{k[0]}/{k[1]}" for k, p in ex.programs.items() if p.backward),
+    }
+
+
+def add_ratios(rows: list[dict]) -> None:
+    full = rows[0]
+    for r in rows:
+        r["flops_ratio_vs_full"] = r["compiled_flops_per_step"] / full["compiled_flops_per_step"]
+        r["expected_ratio"] = r["expected_flops_per_step"] / full["expected_flops_per_step"]
+        r["compiled_vs_expected"] = r["compiled_flops_per_step"] / r["expected_flops_per_step"]
+
+
+def check(rows: list[dict]) -> list[str]:
+    bad = []
+    for r in rows:
+        off = r["flops_ratio_vs_full"] / r["expected_ratio"] - 1
+        if abs(off) > TOLERANCE:
+            bad.append(
+                f"freeze {r['freeze']}: compiled FLOP ratio {r['flops_ratio_vs_full']:.3f} is "
+                f"{off:+.1%} off the expected {r['expected_ratio']:.3f}"
+            )
+        if abs(r["compiled_vs_expected"] - 1) > TOLERANCE:
+            bad.append(
+                f"freeze {r['freeze']}: compiled {r['compiled_flops_per_step']:.4g} FLOPs per "
+                f"step vs the expected {r['expected_flops_per_step']:.4g}"
+            )
+        if r["opt_state_bytes"] > 2 * r["trainable_param_bytes"] + COUNTER_BYTES:
+            bad.append(
+                f"freeze {r['freeze']}: {r['opt_state_bytes']} B of optimizer state for "
+                f"{r['trainable_param_bytes']} B of trained parameters: frozen parts have state"
+            )
+    return bad
+
+
+def print_table(rows: list[dict]) -> None:
+    print(
+        f"{'freeze':<12} {'GFLOP/step':>11} {'expected':>9} {'ratio':>7} {'expected':>8}"
+        f" {'opt MiB':>8}"
+        f" {'max peak MiB':>12} {'step s':>7}  backward stages"
+    )
+    for r in rows:
+        print(
+            f"{r['freeze']:<12} {r['compiled_flops_per_step'] / 1e9:11.3f}"
+            f" {r['expected_flops_per_step'] / 1e9:9.3f}"
+            f" {r['flops_ratio_vs_full']:7.3f} {r['expected_ratio']:8.3f}"
+            f" {r['opt_state_bytes'] / 2**20:8.2f}"
+            f" {max(r['peak_bytes_per_stage'].values()) / 2**20:12.2f}"
+            f" {r['step_time_s']:7.3f}  {', '.join(r['backward_stages'])}"
+        )
+
+
+def main(config: BenchConfig) -> list[dict]:
+    """Runs the three rows, prints a table, writes JSON, checks the goals."""
+    from experiments.cli import ConfigError, finish_rows, setup_devices
+
+    if config.steps < 2:
+        raise ConfigError("--steps must be at least 2 (the first step compiles)")
+    devices = setup_devices(DEVICES)  # before anything starts a JAX backend
+    import jax
+
+    from models.config import get_preset
+    from models.data import DataConfig, SyntheticLlava
+    from models.mllm import MLLM
+
+    cfg = get_preset("tiny" if config.quick else "small")
+    model = MLLM(cfg)
+    data = SyntheticLlava(DataConfig.for_model(cfg, seq_len=cfg.seq_len, seed=0))
+    work = {
+        "devices": devices,
+        "model": model,
+        "seq_len": cfg.seq_len,
+        "batches": [data.batch(i, GLOBAL_BATCH) for i in range(config.steps)],
+        "params": model.init(jax.random.key(0)),
+    }
+    t0 = time.perf_counter()
+    rows = []
+    for freeze in FREEZES:
+        rows.append(run(freeze, work, config.steps))
+        print(
+            f"  measured {rows[-1]['freeze']} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr
+        )
+    add_ratios(rows)
+    print_table(rows)
+    finish_rows(rows, config.json, check(rows), "goal missed")
+    return rows
+
+
+def parse_args(argv: list[str]) -> BenchConfig:
+    from experiments.cli import OneLineParser, positive_int
+
+    p = OneLineParser(prog="bench_freeze", description=__doc__.splitlines()[0])
+    d = BenchConfig()
+    p.add_argument("--json", default=d.json, help="write the rows as a JSON list")
+    p.add_argument("--quick", action="store_true", help="the tiny preset (for the test)")
+    p.add_argument("--steps", type=positive_int, default=d.steps, help="steps per row")
+    return BenchConfig(**vars(p.parse_args(argv)))
+
+
+if __name__ == "__main__":
+    from experiments.cli import run_cli
+
+    def _run(argv: list[str]) -> int:
+        main(parse_args(argv))
+        return 0
+
+    run_cli(_run, "bench_freeze")

@@ -1,0 +1,132 @@
+"""Model and hardware FLOPs of a training step, and MFU.
+
+Model FLOPs follow the usual MFU rule, per part, from the part's forward FLOPs ``F``
+(the model's own count, e.g. ``models.config.MLLMConfig.forward_flops``):
+
+- a trained part costs ``3 F`` (forward, activation gradient, weight gradient);
+- a frozen part that a gradient passes through (something upstream trains) ``2 F``: its
+  backward computes activation gradients only;
+- a frozen part with nothing trainable upstream ``F``: it runs forward only.
+
+Hardware FLOPs add what the executor really recomputes: every stage with a backward
+re-runs its forward inside it (``jax.vjp`` on the stashed input, see
+:mod:`hetjax.runtime.programs`), except the sink's last stage, whose forward only ever runs
+inside its backward, and a frozen first part with nothing trainable upstream under a
+trained one on the same stage (a frozen encoder under its trained projector): the
+forward keeps its output and the backward starts there
+(:meth:`~hetjax.runtime.graph.TrainGraph.stashes_frozen_output`). A module's block stack is
+split into ``pp`` equal stages, so each stage holds ``1 / pp`` of its first part's
+forward; further parts sit on the last stage.
+
+MFU is model FLOPs per second over the devices' peak: :data:`PEAK_TFLOPS` knows common
+accelerators' dense BF16 peaks (by ``device_kind``); elsewhere give one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from hetjax.runtime.graph import TrainGraph
+
+TRAINED, THROUGH, FORWARD = "trained", "frozen, gradient through", "frozen, forward only"
+FACTORS = {TRAINED: 3, THROUGH: 2, FORWARD: 1}
+
+# Dense BF16 TFLOP/s per device, matched as a prefix of the lower-cased device_kind.
+PEAK_TFLOPS: dict[str, float] = {
+    "nvidia h200": 989.4,
+    "nvidia h100": 989.4,  # SXM; the PCIe part is lower, give --peak-tflops for it
+    "nvidia gh200": 989.4,
+    "nvidia a100": 312.0,
+    "nvidia l40s": 362.05,
+    "tpu v5p": 459.0,
+    "tpu v5 lite": 197.0,
+    "tpu v4": 275.0,
+}
+
+
+def peak_tflops(device_kind: str) -> float | None:
+    """The table's dense BF16 peak of a device kind (``jax.Device.device_kind``), if known."""
+    kind = device_kind.lower()
+    return next((v for k, v in PEAK_TFLOPS.items() if kind.startswith(k)), None)
+
+
+def part_roles(graph: TrainGraph) -> dict[str, str]:
+    """Every part's role in the step: :data:`TRAINED`, :data:`THROUGH` or :data:`FORWARD`."""
+    roles = {}
+    for spec in graph.modules:
+        upstream = any(graph.trains_upstream(l.src) for l in graph.links_into(spec.name))
+        for name in spec.param_keys:
+            if name not in spec.frozen:
+                roles[name], upstream = TRAINED, True
+            else:
+                roles[name] = THROUGH if upstream else FORWARD
+    return roles
+
+
+def model_flops(graph: TrainGraph, forward: Mapping[str, float]) -> dict[str, float]:
+    """Model FLOPs of one step per MODULE from each part's forward FLOPs (the rule above)."""
+    roles = part_roles(graph)
+    return {
+        m.name: float(sum(FACTORS[roles[p]] * forward[p] for p in m.param_keys))
+        for m in graph.modules
+    }
+
+
+def hardware_flops(
+    graph: TrainGraph, forward: Mapping[str, float], attention: Mapping[str, float] = {}
+) -> dict[str, float]:
+    """The rule plus the forwards the backward recomputes, per module. ``forward``: what
+    the kernels compute per part (e.g. ``forward_flops(..., executed=True)``: causal
+    attention in full, the LM head over every token); ``attention``: the part of it in
+    weightless matmuls (QK^T, PV), whose backward takes two activation gradients even in
+    a frozen part (the rule's 2x assumes weight matmuls: one activation gradient)."""
+    out = model_flops(graph, forward)
+    roles = part_roles(graph)
+    for spec in graph.modules:
+        for p in spec.param_keys:
+            if roles[p] == THROUGH:
+                out[spec.name] += attention.get(p, 0.0)
+    for spec in graph.modules:
+        pp = spec.layout.pp
+        for stage in range(pp):
+            if not graph.has_backward((spec.name, stage)):
+                continue
+            if spec.name == graph.sink and stage == pp - 1:
+                continue  # its forward runs only inside its backward
+            on_stage = forward[spec.param_keys[0]] / pp
+            if graph.stashes_frozen_output((spec.name, stage)):
+                on_stage = 0.0  # the backward starts after the frozen first part
+            if stage == pp - 1:
+                on_stage += sum(forward[p] for p in spec.param_keys[1:])
+            out[spec.name] += on_stage
+    return out
+
+
+def throughput_metrics(
+    model: Mapping[str, float],
+    hardware: Mapping[str, float],
+    step_time_s: float,
+    *,
+    num_devices: int,
+    module_devices: Mapping[str, int],
+    peak: float | None,
+) -> dict[str, float]:
+    """One step's FLOP metrics from per-module model and hardware FLOPs.
+
+    ``model_tflops_per_step`` (and ``/<module>``), ``hardware_tflops_per_step``,
+    ``tflops_per_s`` (model FLOPs) and, with a ``peak`` (TFLOP/s per device), ``mfu`` over
+    the ``num_devices`` of the run and ``mfu/<module>`` over the devices each module runs
+    on (``module_devices``; colocated, all of them).
+    """
+    total = sum(model.values())
+    out = {
+        "model_tflops_per_step": total / 1e12,
+        **{f"model_tflops_per_step/{m}": v / 1e12 for m, v in model.items()},
+        "hardware_tflops_per_step": sum(hardware.values()) / 1e12,
+        "tflops_per_s": total / 1e12 / step_time_s,
+    }
+    if peak:
+        out["mfu"] = out["tflops_per_s"] / (peak * num_devices)
+        for m, v in model.items():
+            out[f"mfu/{m}"] = v / 1e12 / step_time_s / (peak * module_devices[m])
+    return out
