@@ -146,6 +146,32 @@ class Checkpointer:
             trainer.params, trainer.opt_state = lg.reference_state(trainer, got["state"])
         return meta
 
+    def restore_params(self, like: Any, *, step: int | None = None) -> Any:
+        """Only the parameters of checkpoint ``step`` (default: the latest), read into the
+        shardings of ``like`` (a tree of ``jax.ShapeDtypeStruct`` with ``sharding``, in
+        the single-device layout); no trainer and no optimizer state are needed (export).
+        """
+        step = self._step(step)
+        _check_shapes(self.metadata(step).get("shapes", {}), shapes(like), self.path(step))
+        restore_args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding), like)
+        try:
+            got = self._manager.restore(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.PyTreeRestore(
+                        {"params": like},
+                        restore_args={"params": restore_args},
+                        partial_restore=True,
+                    )
+                ),
+            )
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(
+                f"checkpoint {self.path(step)} is damaged or incomplete ({type(e).__name__}); "
+                "delete it or export an earlier step"
+            ) from None
+        return got["state"]["params"]
+
     @staticmethod
     def check_savable(trainer: Any) -> None:
         """See :func:`check_savable`."""
