@@ -69,6 +69,23 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--global-batch", "data.global_batch", positive_int),
     Flag("--microbatches", "parallel.microbatches", positive_int, core=("microbatches",)),
     Flag("--seq-len", "model.seq_len", positive_int),
+    Flag(
+        "--data",
+        "data.sources",
+        metavar="FILE[:WEIGHT]",
+        help="LLaVA JSON list or JSONL file, with its mixture weight (repeatable, e.g. "
+        "--data a.json:0.7 --data b.jsonl:0.3; none: synthetic data)",
+    ),
+    Flag("--image-folder", "data.image_folder", str, metavar="DIR"),
+    Flag("--tokenizer", "data.tokenizer", str, metavar="PATH"),
+    Flag("--template", "data.template"),
+    Flag("--image-aspect", "data.image_aspect"),
+    Flag("--max-images-per-microbatch", "data.max_images_per_microbatch", positive_int),
+    Flag("--pack", "data.pack"),
+    Flag("--balance", "data.balance"),
+    Flag("--skip-bad-samples", "data.skip_bad_samples"),
+    Flag("--loader-workers", "data.workers", positive_int, metavar="N"),
+    Flag("--prefetch", "data.prefetch", positive_int, metavar="N"),
     Flag("--dtype", "model.dtype"),
     Flag(
         "--freeze",
@@ -184,8 +201,12 @@ def resolve(path: str | None, given: Mapping[str, Any]) -> hc.TrainConfig:
     data = hc.read(path) if path else {}
     for dotted, value in given.items():
         if get_origin(_LEAVES[dotted].hint) is dict:
-            counts = get_args(_LEAVES[dotted].hint)[1] is int
-            value = hc.parse_module_items(value, path=dotted, counts=counts)
+            kind = get_args(_LEAVES[dotted].hint)[1]
+            value = (
+                hc.parse_weighted(value, path=dotted)
+                if kind is float
+                else hc.parse_module_items(value, path=dotted, counts=kind is int)
+            )
         *sections, name = dotted.split(".")
         node = data
         for section in sections:

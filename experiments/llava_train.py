@@ -80,16 +80,21 @@ def main(config: TrainConfig) -> int:
         trainer = _trainer(config, run, devices, init=not resume, lead=lead)
         if ckpt is not None:
             ckpt.check_savable(trainer)
-        start = _resume(ckpt, trainer, lead) if resume else 0
+        start, meta = _resume(ckpt, trainer, lead) if resume else (0, {})
+        stream = _stream(config, run, meta.get("data"), len(devices))
     end = config.stop_after or config.steps
-    hooks = _hooks(config, run, devices, info.num_processes if multi else 1, start) if lead else []
+    processes = info.num_processes if multi else 1
+    hooks = _hooks(config, run, devices, processes, start, stream) if lead else []
     guard = hetjax.runtime.NonFiniteGuard(config.skip_nonfinite_steps, note=_kept(ckpt))
     logging = config.logging
 
     def step(i: int):
         # Every process builds the same global batch (seed, step); the trainer keeps
         # only this process's shards of it.
-        batch = run.dataset.batch(i, config.data.global_batch)
+        try:
+            batch = stream.batch(i)
+        except ValueError as e:  # a bad record found while loading (models.llava.BadSample)
+            raise ConfigError(str(e)) from None
         profile = logging.timeline is not None and i == end - 1
         metrics = trainer.step(batch, profile=True) if profile else trainer.step(batch)
         done = i + 1
@@ -97,7 +102,7 @@ def main(config: TrainConfig) -> int:
         if ckpt is not None and (done == end or (every and done % every == 0)):
             # Never save a state that a non-finite step updated (skipped ones are kept).
             if config.skip_nonfinite_steps or not hetjax.runtime.loop.nonfinite(metrics):
-                ckpt.save(done, trainer, metadata=_metadata(config, run, done))
+                ckpt.save(done, trainer, metadata=_metadata(config, run, stream.checkpoint()))
         return metrics
 
     tokens = config.data.global_batch * run.seq_len
@@ -111,10 +116,12 @@ def main(config: TrainConfig) -> int:
             hooks=[*hooks, guard],
             start=start,
             flop_metrics=_flop_metrics(config, run, devices),
+            data_metrics=stream.step_metrics,
         )
     except hetjax.runtime.NonFiniteError as e:
         raise ConfigError(str(e)) from None
     finally:
+        stream.close()
         if profiler:
             profiler.close()  # a run that stopped inside the range still writes its trace
         if ckpt is not None:
@@ -153,7 +160,7 @@ class _Run:
     """What :func:`_plan` decided: everything but the parameters and the trainer."""
 
     model: Any  # models.mllm.MLLM
-    dataset: Any  # models.data.SyntheticLlava
+    dataset: Any  # models.data.SyntheticLlava or models.llava.LlavaData
     seq_len: int
     optimizer: Any  # hetjax.OptimizerConfig
     plan: Any  # hetjax.runtime.RunPlan; None for the reference trainer
@@ -225,7 +232,25 @@ def _plan(config: TrainConfig, devices: Sequence[Any]) -> _Run:
 
     preset = _model_config(config.model)
     seq_len = config.model.seq_len or preset.seq_len
-    dataset = SyntheticLlava(DataConfig.for_model(preset, seq_len=seq_len, seed=config.seed))
+    images_per_row = 1
+    if config.data.sources:  # the validation pass over every record file, here
+        from models.llava import run as llava_run
+
+        if config.data.pack:
+            raise ValueError(
+                "data.pack: the LLM does not mask attention between packed samples yet, so "
+                "training refuses it (experiments.bench_data measures packing)"
+            )
+        dataset, preset = llava_run.build(
+            config.data,
+            preset,
+            seq_len=seq_len,
+            seed=config.seed,
+            microbatches=config.parallel.microbatches,
+        )
+        images_per_row = dataset.config.images_per_row
+    else:
+        dataset = SyntheticLlava(DataConfig.for_model(preset, seq_len=seq_len, seed=config.seed))
     o = config.optimizer
     optimizer = hetjax.OptimizerConfig(
         lr=o.lr,
@@ -234,7 +259,8 @@ def _plan(config: TrainConfig, devices: Sequence[Any]) -> _Run:
         weight_decay=o.weight_decay,
         clip_norm=o.clip_norm,
     )
-    model = MLLM(preset, dtype=jnp.bfloat16 if config.model.dtype == "bfloat16" else jnp.float32)
+    dtype = jnp.bfloat16 if config.model.dtype == "bfloat16" else jnp.float32
+    model = MLLM(preset, dtype=dtype, images_per_row=images_per_row)
     p, n = config.parallel, len(devices)
     if p.reference:
         hetjax.runtime.check_batch_split(config.data.global_batch, p.microbatches, n)
@@ -397,13 +423,14 @@ def _checkpointer(config: TrainConfig):
     return Checkpointer(config.checkpoint.dir, keep=config.checkpoint.keep)
 
 
-def _resume(ckpt, trainer, lead: bool) -> int:
-    """Restores the latest checkpoint into ``trainer`` (any layout); returns its step."""
+def _resume(ckpt, trainer, lead: bool) -> tuple[int, dict[str, Any]]:
+    """Restores the latest checkpoint into ``trainer`` (any layout); returns its step and
+    metadata."""
     meta = ckpt.restore(trainer)
     step = int(meta["step"])
     if lead:
         print(f"resumed from step {step} ({ckpt.path(step)})", flush=True)
-    return step
+    return step, meta
 
 
 def _kept(ckpt):
@@ -423,9 +450,25 @@ def _kept(ckpt):
     return note
 
 
-def _metadata(config: TrainConfig, run: _Run, step: int) -> dict[str, Any]:
+def _stream(config: TrainConfig, run: _Run, resumed: dict[str, Any] | None, num_devices: int):
+    """The run's batches: LLaVA files from a resumed loader position, or synthetic."""
+    from models.llava import run as llava_run
+
+    if not config.data.sources:
+        return llava_run.SyntheticStream(run.dataset, config.data.global_batch, config.seed)
+    state = resumed["state"] if resumed and resumed.get("kind") == "llava" else None
+    if run.plan is None:  # the reference trainer: data parallel over every device
+        dp = {"llm": num_devices}
+    else:
+        dp = {m.name: m.layout.dp * m.layout.ep for m in run.graph.modules}
+    bins = (config.parallel.microbatches, dp.get("vision", dp["llm"]), dp["llm"])
+    return llava_run.DataStream(run.dataset, bins, state)
+
+
+def _metadata(config: TrainConfig, run: _Run, data: dict[str, Any]) -> dict[str, Any]:
     """What a checkpoint records besides the arrays: enough to say what it is and to
-    continue the data stream (synthetic data is a function of seed and step)."""
+    continue the data stream (synthetic data is a function of seed and step; LLaVA
+    data's position is the loader's state)."""
     import hetjax.config as hc
     from models.config import config_to_dict
 
@@ -436,14 +479,19 @@ def _metadata(config: TrainConfig, run: _Run, step: int) -> dict[str, Any]:
             "params": run.model.num_params(),
             "config": config_to_dict(run.model.config),  # what experiments.export rebuilds
         },
-        "data": {"kind": "synthetic", "seed": config.seed, "next_step": step},
+        "data": data,
         "rng": {"init_seed": config.seed},
         "layout": run.layout_text,
     }
 
 
 def _hooks(
-    config: TrainConfig, run: _Run, devices: Sequence[Any], processes: int, start: int = 0
+    config: TrainConfig,
+    run: _Run,
+    devices: Sequence[Any],
+    processes: int,
+    start: int,
+    stream: Any,
 ) -> list:
     """Process 0's observers: metrics file, TensorBoard, progress bar, plot, run summary."""
     import hetjax
@@ -466,9 +514,20 @@ def _hooks(
         "layout": run.layout_text,
         "batch": f"{config.data.global_batch} samples x {run.seq_len} tokens, "
         f"{config.parallel.microbatches} microbatch(es), {config.model.dtype}",
+        "data": _AtEnd(stream.summary),  # skip and truncation counts, read at the end
     }
     hooks.append(hetjax.Summary(summary))
     return hooks
+
+
+class _AtEnd:
+    """A summary value computed when the summary prints."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __format__(self, spec: str) -> str:
+        return format(self.fn(), spec)
 
 
 def _shared_settings(config: TrainConfig, devices: Sequence[Any]) -> dict[str, Any]:

@@ -5,8 +5,10 @@ Each is a :class:`hetjax.StagedModule`: ``pre`` embeds the raw input into tokens
 ``blocks`` are identical pre-norm transformer blocks, ``post`` is the final norm (none
 for CLIP and SigLIP: LLaVA reads their hidden state before any final norm).
 
-Images are ``[B, H, W, C]`` (channels last); ``models.hf`` converts Hugging Face's
-``[B, C, H, W]`` pixel values and convolution kernels.
+Images are ``[B, H, W, C]`` (channels last), or ``[B, K, H, W, C]`` for ``K`` image slots
+per sample: the encoder runs on the ``B * K`` images and a projector made with
+``images_per_row=K`` returns each sample's ``K * N`` tokens in slot order. ``models.hf``
+converts Hugging Face's ``[B, C, H, W]`` pixel values and convolution kernels.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ from models.layers import Dense, EncoderBlock, LayerNorm, activation, normal_par
 
 def patchify(images_BxHxWxC: jax.Array, patch: int) -> jax.Array:
     """``[B, H, W, C]`` -> ``[B, N, p * p * C]``, patches in row-major order, each
-    flattened as ``(row, column, channel)``."""
+    flattened as ``(row, column, channel)``; ``[B, K, H, W, C]`` -> ``[B * K, N, ...]``."""
+    if images_BxHxWxC.ndim == 5:
+        images_BxHxWxC = images_BxHxWxC.reshape(-1, *images_BxHxWxC.shape[2:])
     b, h, w, c = images_BxHxWxC.shape
     p = patch
     x = images_BxHxWxC.reshape(b, h // p, p, w // p, p, c).transpose(0, 1, 3, 2, 4, 5)
@@ -119,13 +123,19 @@ class Projector(nnx.Module):
         dtype: Any,
         act: str = "gelu_pytorch_tanh",
         skip: int = 0,
+        images_per_row: int = 1,
     ):
         self.fc1 = Dense(d_in, d_out, axes=("embed", "mlp"), rngs=rngs, use_bias=True, dtype=dtype)
         self.fc2 = Dense(d_out, d_out, axes=("mlp", "embed"), rngs=rngs, use_bias=True, dtype=dtype)
-        self.act, self.skip = act, skip
+        self.act, self.skip, self.images_per_row = act, skip, images_per_row
 
     def __call__(self, x_BxNxE: jax.Array) -> jax.Array:
-        return self.fc2(activation(self.act)(self.fc1(x_BxNxE[:, self.skip :])))
+        y_BxNxD = self.fc2(activation(self.act)(self.fc1(x_BxNxE[:, self.skip :])))
+        if self.images_per_row == 1:
+            return y_BxNxD
+        # [rows * K, N, D] -> [rows, K * N, D]: a row's images' tokens in slot order.
+        b, n, d = y_BxNxD.shape
+        return y_BxNxD.reshape(b // self.images_per_row, self.images_per_row * n, d)
 
 
 def make_projector(
@@ -136,8 +146,11 @@ def make_projector(
     *,
     act: str = "gelu_pytorch_tanh",
     skip: int = 0,
+    images_per_row: int = 1,
 ) -> StagedModule:
     return StagedModule(
         name,
-        pre=lambda rngs: Projector(d_in, d_out, rngs=rngs, dtype=dtype, act=act, skip=skip),
+        pre=lambda rngs: Projector(
+            d_in, d_out, rngs=rngs, dtype=dtype, act=act, skip=skip, images_per_row=images_per_row
+        ),
     )

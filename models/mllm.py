@@ -39,9 +39,12 @@ class MLLM:
     Args:
         config: the model preset.
         dtype: compute dtype (``jnp.float32`` or ``jnp.bfloat16``); parameters stay float32.
+        images_per_row: image slots per sample (row); above 1 the batch's ``images`` are
+            ``[B, K, H, W, C]`` and row ``b``'s ``k``-th placeholder run takes image ``k``.
+            Parameters do not depend on it.
     """
 
-    def __init__(self, config: MLLMConfig, dtype: Any = jnp.float32):
+    def __init__(self, config: MLLMConfig, dtype: Any = jnp.float32, images_per_row: int = 1):
         if config.shape_only:
             raise ValueError(f"preset {config.name!r} is shape-only (planning); not runnable")
         self.config = config
@@ -59,6 +62,7 @@ class MLLM:
                 dtype,
                 act=config.projector_act,
                 skip=enc.block_tokens - enc.num_tokens,
+                images_per_row=images_per_row if modality == "image" else 1,
             )
             placeholders[modality] = self.placeholder(modality)
         self.modules["llm"] = make_llm(config.llm, placeholders, dtype)

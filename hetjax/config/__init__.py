@@ -14,6 +14,7 @@ from .io import from_dict as from_dict
 from .io import load as load
 from .io import module_layouts as module_layouts
 from .io import parse_module_items as parse_module_items
+from .io import parse_weighted as parse_weighted
 from .io import read as read
 from .io import to_dict as to_dict
 from .tree import CheckpointConfig as CheckpointConfig
@@ -46,6 +47,7 @@ __all__ = [
     "load",
     "module_layouts",
     "parse_module_items",
+    "parse_weighted",
     "read",
     "to_dict",
 ]

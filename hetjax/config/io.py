@@ -183,6 +183,33 @@ def parse_module_items(items: Iterable[str], *, path: str, counts: bool = False)
     return out
 
 
+def parse_weighted(items: Iterable[str], *, path: str) -> dict[str, float]:
+    """``["a.json:0.7", "b.jsonl"]`` -> ``{"a.json": 0.7, "b.jsonl": 1.0}`` (a mixture).
+
+    Raises:
+        InvalidConfigError: a weight that is not a positive number, or a file named twice.
+    """
+    out: dict[str, float] = {}
+    for item in items:
+        name, sep, weight = str(item).rpartition(":")
+        if not sep or not _is_number(weight):
+            name, weight = str(item), "1"
+        if not name or float(weight) <= 0:
+            raise InvalidConfigError(f"{path} {item!r}: expected FILE or FILE:WEIGHT, WEIGHT > 0")
+        if name in out:
+            raise InvalidConfigError(f"{path} names {name!r} twice; give each file once")
+        out[name] = float(weight)
+    return out
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
 def module_layouts(layouts: Mapping[str, str], modules: Sequence[str]) -> dict[str, Layout]:
     """Layout texts per module -> :class:`~hetjax.Layout` objects, modules checked.
 

@@ -72,6 +72,27 @@ class DataConfig:
     """What each step reads (the data seed is the top-level ``seed``)."""
 
     global_batch: int = doc(32, "samples per step, over all devices and microbatches")
+    sources: dict[str, float] = doc(
+        {}, "LLaVA JSON / JSONL files -> mixture weight (empty: synthetic data)"
+    )
+    image_folder: str | None = doc(None, "directory that relative image paths are under")
+    tokenizer: str | None = doc(
+        None, "Hugging Face tokenizer.json, or a directory with it and tokenizer_config.json"
+    )
+    template: Literal["plain", "vicuna_v1", "llama3"] = doc(
+        "vicuna_v1", "chat template: plain (pretraining), vicuna_v1 (LLaVA-1.5), llama3"
+    )
+    image_aspect: Literal["crop", "pad"] = doc(
+        "crop", "crop: CLIP's shortest-side resize and centre crop; pad: square with the mean first"
+    )
+    max_images_per_microbatch: int | None = doc(
+        None, "image slots per microbatch, split evenly over its rows (None: the most per record)"
+    )
+    pack: bool = doc(False, "pack several samples into each seq_len row")
+    balance: bool = doc(False, "order each step's rows so dp ranks get even tokens and images")
+    skip_bad_samples: bool = doc(False, "skip and count bad records instead of stopping")
+    workers: int = doc(4, "data-loading threads (reading, tokenizing, image decoding)")
+    prefetch: int = doc(2, "batches prepared ahead of the step that needs them")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,6 +227,10 @@ _RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "seed": (lambda v: v >= 0, "a non-negative integer (it seeds numpy's generator)"),
     "model.seq_len": (lambda v: v >= 1, "a positive integer"),
     "data.global_batch": (lambda v: v >= 1, "a positive integer"),
+    "data.sources": (lambda v: all(w > 0 for w in v.values()), "positive mixture weights"),
+    "data.max_images_per_microbatch": (lambda v: v >= 1, "a positive integer"),
+    "data.workers": (lambda v: v >= 1, "a positive integer"),
+    "data.prefetch": (lambda v: v >= 1, "a positive integer"),
     "parallel.microbatches": (lambda v: v >= 1, "a positive integer"),
     "parallel.devices": (lambda v: v >= 1, "a positive integer"),
     "parallel.peak_tflops": (lambda v: v > 0, "a positive number"),
@@ -260,6 +285,7 @@ def check(cfg: TrainConfig) -> None:
             "checkpoint.save_every needs checkpoint.dir; give the directory to save into"
         )
     _check_logging(cfg)
+    _check_data(cfg.data)
     p = cfg.parallel
     if p.homogeneous and p.placement != "colocated":
         raise InvalidConfigError(
@@ -278,6 +304,20 @@ def check(cfg: TrainConfig) -> None:
                 raise InvalidConfigError(
                     f"{path} is a heterogeneous-executor option; drop parallel.reference"
                 )
+
+
+def _check_data(d: DataConfig) -> None:
+    """LLaVA settings come with LLaVA files, and the files with a tokenizer."""
+    if d.sources and d.tokenizer is None:
+        raise InvalidConfigError("data.sources needs data.tokenizer (a tokenizer.json)")
+    if not d.sources:
+        names = ("tokenizer", "image_folder", "pack", "max_images_per_microbatch")
+        given = [f for f in names if getattr(d, f) not in (None, False)]
+        if given:
+            raise InvalidConfigError(
+                f"data.{given[0]} is for LLaVA files; give data.sources too (synthetic data "
+                "takes none)"
+            )
 
 
 def _check_logging(cfg: TrainConfig) -> None:

@@ -29,6 +29,7 @@ def run_training(
     hooks: Sequence[Hook] = (),
     start: int = 0,
     flop_metrics: Callable[[float, float], Mapping[str, float]] | None = None,
+    data_metrics: Callable[[int], Mapping[str, float]] | None = None,
 ) -> list[dict[str, float]]:
     """Runs ``step_fn(start) ... step_fn(steps - 1)``; returns the per-step metrics.
 
@@ -50,6 +51,8 @@ def run_training(
         flop_metrics: ``(supervised tokens, step time) -> FLOP metrics`` added to each
             step's (``model_tflops_per_step``, ``tflops_per_s``, ``mfu``, ...; see
             :func:`hetjax.runtime.flops.throughput_metrics`).
+        data_metrics: ``step -> metrics of its batch`` added to each step's (the data
+            pipeline's ``padding_fraction``, ``token_imbalance``, ...).
     """
     history: list[dict[str, float]] = []
     pending: tuple[int, Mapping[str, Any]] | None = None
@@ -76,6 +79,8 @@ def run_training(
         )
         if flop_metrics is not None:
             metrics.update(flop_metrics(metrics["supervised_tokens"], elapsed))
+        if data_metrics is not None:
+            metrics.update(data_metrics(done))
         history.append(metrics)
         for hook in hooks:
             hook.on_step(done, metrics)

@@ -1,0 +1,128 @@
+"""Rows of a step: samples placed in ``seq_len`` rows (packed or not), rows placed in bins.
+
+A row holds ``L + 1`` stored tokens (inputs are ``[:-1]``, targets ``[1:]``) and
+``images_per_row`` image slots; its samples' images fill the slots in order, so the
+``k``-th image placeholder of a row takes the ``k``-th image's tokens whatever sample it
+belongs to. Unused slots hold zero images: no placeholder takes their tokens, so they
+get no gradient.
+
+The executor cuts microbatch ``m`` as rows ``[m * B/M, (m+1) * B/M)`` and gives data-
+parallel rank ``r`` of degree ``d`` the ``r``-th contiguous ``1/d`` of it. :func:`assign`
+orders rows into ``M x D`` bins (``D`` the largest dp degree; a coarser rank holds
+consecutive bins), greedily putting the heaviest row (tokens and images, each relative
+to its mean) in the lightest bin with room.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class Packer:
+    """First-fit rows: ``add(sample)`` places it or returns ``False`` (it fits no row)."""
+
+    def __init__(self, num_rows: int, capacity: int, slots: int, *, pack: bool):
+        self.num_rows, self.capacity, self.slots, self.pack = num_rows, capacity, slots, pack
+        self.rows: list[list] = []
+        self.used: list[list[int]] = []  # [tokens, images] per row
+
+    @property
+    def full(self) -> bool:
+        return not self.pack and len(self.rows) == self.num_rows
+
+    def add(self, sample) -> bool:
+        n, k = len(sample.ids), len(sample.images)
+        target = None
+        if self.pack:
+            target = next(
+                (
+                    r
+                    for r, (t, i) in enumerate(self.used)
+                    if t + n <= self.capacity and i + k <= self.slots
+                ),
+                None,
+            )
+        if target is None:
+            if len(self.rows) == self.num_rows:
+                return False
+            self.rows.append([])
+            self.used.append([0, 0])
+            target = len(self.rows) - 1
+        self.rows[target].append(sample)
+        self.used[target][0] += n
+        self.used[target][1] += k
+        return True
+
+    def arrays(
+        self, *, pad_id: int, shape: tuple[int, ...] | None
+    ) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        """The batch arrays and each row's load ``[R, 2]`` (input tokens, images)."""
+        r, c, k = self.num_rows, self.capacity, self.slots
+        ids = np.full((r, c), pad_id, np.int32)
+        sup = np.zeros((r, c), np.float32)
+        segments = np.zeros((r, c), np.int32)
+        positions = np.zeros((r, c), np.int32)
+        images = None if shape is None else np.zeros((r, k, *shape), np.float32)
+        loads = np.zeros((r, 2), np.int64)
+        for row, samples in enumerate(self.rows):
+            at, slot = 0, 0
+            for seg, s in enumerate(samples, start=1):
+                n = len(s.ids)
+                ids[row, at : at + n] = s.ids
+                sup[row, at : at + n] = s.supervised
+                segments[row, at : at + n] = seg
+                positions[row, at : at + n] = np.arange(n)
+                for im in s.images:
+                    images[row, slot] = im
+                    slot += 1
+                at += n
+            loads[row] = (min(at, c - 1), slot)
+        out = {"tokens": ids[:, :-1], "targets": ids[:, 1:], "loss_mask": sup[:, 1:]}
+        if self.pack:
+            out.update(segment_ids=segments[:, :-1], positions=positions[:, :-1])
+        if images is not None:
+            out["images"] = images[:, 0] if k == 1 else images
+        return out, loads
+
+
+def assign(loads: np.ndarray, bins: tuple[int, int, int], *, balance: bool) -> np.ndarray:
+    """Row order for ``bins = (microbatches, encoder dp, llm dp)`` (identity without
+    ``balance``, or when the rows do not split evenly into the bins)."""
+    r = len(loads)
+    m, dv, dl = bins
+    nb = m * max(dv, dl)
+    if not balance or r % nb:
+        return np.arange(r)
+    per = r // nb
+    means = np.maximum(loads.mean(axis=0), 1e-9)
+    cost = (loads / means).sum(axis=1)
+    load = np.zeros(nb)
+    members: list[list[int]] = [[] for _ in range(nb)]
+    for row in np.argsort(-cost, kind="stable"):
+        open_bins = [b for b in range(nb) if len(members[b]) < per]
+        b = min(open_bins, key=lambda b: (load[b], b))
+        members[b].append(int(row))
+        load[b] += cost[row]
+    return np.asarray([row for b in members for row in b])
+
+
+def imbalance(values: np.ndarray, microbatches: int, dp: int) -> float:
+    """max / mean of ``values`` summed per (microbatch, dp rank) cell (1.0 when even)."""
+    cells = values.reshape(microbatches, dp, -1).sum(axis=2)
+    mean = cells.mean()
+    return float(cells.max() / mean) if mean > 0 else 1.0
+
+
+def metrics(loads: np.ndarray, bins: tuple[int, int, int], seq_len: int) -> dict[str, float]:
+    """``padding_fraction``, ``image_imbalance``, ``token_imbalance``, ``tokens_per_step``."""
+    m, dv, dl = bins
+    r = len(loads)
+    out = {
+        "padding_fraction": 1.0 - float(loads[:, 0].sum()) / (r * seq_len),
+        "tokens_per_step": float(loads[:, 0].sum()),
+        "images_per_step": float(loads[:, 1].sum()),
+    }
+    if r % (m * dv) == 0 and r % (m * dl) == 0:
+        out["image_imbalance"] = imbalance(loads[:, 1], m, dv)
+        out["token_imbalance"] = imbalance(loads[:, 0], m, dl)
+    return out

@@ -1,0 +1,142 @@
+"""A training run's LLaVA data from its resolved settings (what the CLI calls).
+
+:func:`build` loads the tokenizer, fits the model's image placeholder to it, checks every
+record file (the validation pass, before any parameter exists) and fixes the rows' image
+slots; :class:`DataStream` hands the training loop one batch per step with its metrics and
+the position a checkpoint stores.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from models import tokenizer
+from models.config import MLLMConfig
+from models.llava.images import ImageProcessor
+from models.llava.loader import LlavaData, Loader, LoaderConfig, summary_counts
+from models.llava.text import HFTokenizer
+
+
+def build(
+    data: Any, model: MLLMConfig, *, seq_len: int, seed: int, microbatches: int
+) -> tuple[LlavaData, MLLMConfig]:
+    """The checked data and the model config with the tokenizer's ``<image>`` id.
+
+    Args:
+        data: a :class:`hetjax.config.DataConfig` with ``sources``.
+        model: the model preset.
+
+    Raises:
+        ValueError: one line: a tokenizer that does not load or does not fit the model's
+            vocabulary, a bad record (without ``skip_bad_samples``), an image budget that
+            does not split over a microbatch's rows.
+    """
+    tok = HFTokenizer(data.tokenizer)
+    if tok.vocab_size > model.llm.vocab:
+        raise ValueError(
+            f"tokenizer {tok.path} has {tok.vocab_size} ids but the model's vocabulary is "
+            f"{model.llm.vocab}; use a model with a vocabulary of at least {tok.vocab_size}"
+        )
+    if tok.image_id is not None:
+        model = dataclasses.replace(model, image_token_id=tok.image_id)
+    vision = model.vision
+    rows = data.global_batch // microbatches
+    cfg = LoaderConfig(
+        seq_len=seq_len,
+        global_batch=data.global_batch,
+        image_tokens=vision.num_tokens if vision else 0,
+        placeholder=tokenizer.IMAGE if model.image_token_id is None else model.image_token_id,
+        images_per_row=1,
+        template=data.template,
+        pack=data.pack,
+        balance=data.balance,
+        skip_bad=data.skip_bad_samples,
+        seed=seed,
+        workers=data.workers,
+        prefetch=data.prefetch,
+    )
+    processor = (
+        ImageProcessor.for_encoder(vision.kind, vision.image_size, pad=data.image_aspect == "pad")
+        if vision
+        else None
+    )
+    out = LlavaData(list(data.sources.items()), tok, processor, cfg, image_folder=data.image_folder)
+    if out.max_images and vision is None:
+        raise ValueError(f"the records have images but model {model.name!r} has no vision encoder")
+    budget = data.max_images_per_microbatch
+    if budget is None:
+        slots = max(1, out.max_images)
+    elif rows and budget % rows:
+        up = math.ceil(budget / rows) * rows
+        raise ValueError(
+            f"max_images_per_microbatch={budget} does not split over a microbatch's {rows} "
+            f"rows; use max_images_per_microbatch={up}"
+        )
+    else:
+        slots = budget // rows
+    out.config = dataclasses.replace(cfg, images_per_row=slots)
+    return out, model
+
+
+class DataStream:
+    """One batch per step from a loader position (``state``; ``None``: the start).
+
+    Args:
+        data: from :func:`build`.
+        bins: ``(microbatches, encoder dp, llm dp)`` for balancing and imbalance metrics.
+        state: a checkpoint's ``data.state``.
+    """
+
+    def __init__(self, data: LlavaData, bins: tuple[int, int, int], state: Any = None):
+        data.config = dataclasses.replace(data.config, bins=bins)
+        self.data = data
+        self.loader = Loader(data, state)
+        self.metrics: dict[int, dict[str, float]] = {}
+
+    def batch(self, step: int) -> dict[str, Any]:
+        b = self.loader.next()
+        self.metrics[step] = b.metrics
+        return b.arrays
+
+    def step_metrics(self, step: int) -> dict[str, float]:
+        """The data metrics of step ``step``'s batch (read once)."""
+        return self.metrics.pop(step, {})
+
+    def checkpoint(self) -> dict[str, Any]:
+        """What a checkpoint records: the position after the last batch handed out."""
+        return {"kind": "llava", "state": self.loader.state}
+
+    def summary(self) -> str:
+        counts = summary_counts(self.loader.state)
+        skipped = ", ".join(f"{k} {v}" for k, v in counts.items())
+        return skipped or "no record skipped or truncated"
+
+    def close(self) -> None:
+        self.loader.close()
+
+
+class SyntheticStream:
+    """:class:`DataStream`'s interface over :class:`models.data.SyntheticLlava` (a
+    function of seed and step: the position is the step)."""
+
+    def __init__(self, dataset: Any, global_batch: int, seed: int):
+        self.dataset, self.global_batch, self.seed = dataset, global_batch, seed
+        self.next_step = 0
+
+    def batch(self, step: int) -> dict[str, Any]:
+        self.next_step = step + 1
+        return self.dataset.batch(step, self.global_batch)
+
+    def step_metrics(self, step: int) -> dict[str, float]:
+        return {}
+
+    def checkpoint(self) -> dict[str, Any]:
+        return {"kind": "synthetic", "seed": self.seed, "next_step": self.next_step}
+
+    def summary(self) -> str:
+        return "synthetic"
+
+    def close(self) -> None:
+        pass
