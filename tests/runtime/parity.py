@@ -75,10 +75,14 @@ def reference(preset: str, global_batch: int, frozen: frozenset[str] = frozenset
     """The single-device run of ``STEPS`` steps of ``preset`` with the parts ``frozen``
     (computed once per process)."""
     cfg = get_preset(preset)
-    model = MLLM(cfg)
-    params = model.init(jax.random.key(0))
     data = SyntheticLlava(DataConfig.for_model(cfg, seq_len=cfg.seq_len, seed=0))
     batches = [data.batch(s, global_batch) for s in range(STEPS)]
+    return reference_run(MLLM(cfg), batches, frozen)
+
+
+def reference_run(model: MLLM, batches: list, frozen: frozenset[str] = frozenset()) -> Reference:
+    """The single-device run of ``model`` (initialised from key 0) over ``batches``."""
+    params = model.init(jax.random.key(0))
     axes = {n: m.logical_axes() for n, m in model.modules.items() if n not in frozen}
     trainer = hetjax.ReferenceTrainer(
         model.loss_sum,
@@ -123,7 +127,7 @@ def check_matches_reference(case: Case, ref: Reference) -> hetjax.Executor:
     got = [jax.device_get(ex.step(ref.batches[0]))]
     after_one = ex.full_params()
     # Steps 2..STEPS reuse step 1's executables.
-    with expect_compiles(0, f"steps 2..{STEPS}"):
+    with expect_compiles(0, f"steps 2..{len(ref.batches)}"):
         got += [jax.device_get(ex.step(batch)) for batch in ref.batches[1:]]
 
     # One step: every parameter, gathered back into the reference's tree.
