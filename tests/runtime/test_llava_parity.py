@@ -1,5 +1,5 @@
 """Rows with 0, 1 and 2 images (static image slots, unused ones zero) train to the
-single-device reference's numbers under a colocated, a non-colocated and a cp=2 layout:
+single-device reference's numbers colocated and non-colocated, both with cp=2:
 each image's tokens land at its own placeholders (the cp case routes them by token id to
 the rank that stores their positions), and unused slots get no gradient."""
 
@@ -33,9 +33,10 @@ def llava_reference(llava_dir, tok):  # noqa: F811
 @pytest.mark.parametrize(
     "c",
     [
-        case("tiny", "colocated", 2, id="colocated", vision="dp=8", llm="dp=2,tp=2,pp=2"),
-        case("tiny", "non-colocated", 2, id="non-colocated", vision="dp=4", llm="dp=1,tp=2,pp=2"),
-        case("tiny", "colocated", 2, id="cp2", vision="dp=8", llm="dp=2,cp=2,tp=2"),
+        # cp=2 in both: image tokens routed to the cp rank of their placeholders, within
+        # one device set and across islands (split over cp, then one all-to-all).
+        case("tiny", "colocated", 2, id="colocated-cp2", vision="dp=8", llm="dp=2,cp=2,tp=2"),
+        case("tiny", "non-colocated", 2, id="islands-cp2", vision="dp=4", llm="dp=1,cp=2,tp=2"),
     ],
 )
 def test_variable_images_match_reference(c, llava_reference):
