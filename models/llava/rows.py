@@ -7,10 +7,11 @@ belongs to. Unused slots hold zero images: no placeholder takes their tokens, so
 get no gradient.
 
 The executor cuts microbatch ``m`` as rows ``[m * B/M, (m+1) * B/M)`` and gives data-
-parallel rank ``r`` of degree ``d`` the ``r``-th contiguous ``1/d`` of it. :func:`assign`
-orders rows into ``M x D`` bins (``D`` the largest dp degree; a coarser rank holds
-consecutive bins), greedily putting the heaviest row (tokens and images, each relative
-to its mean) in the lightest bin with room.
+parallel rank ``r`` of degree ``d`` the ``r``-th contiguous ``1/d`` of it, so a coarser
+rank holds consecutive bins of a finer one. :func:`assign` orders rows into those bins
+greedily (the heaviest row into the lightest bin with room): tokens for the LLM's ranks,
+images for the encoder's. Shapes stay static, so balancing evens the real (unpadded)
+work each rank's rows carry; it pays where kernels skip padding and masked images.
 """
 
 from __future__ import annotations
@@ -87,23 +88,33 @@ class Packer:
 
 def assign(loads: np.ndarray, bins: tuple[int, int, int], *, balance: bool) -> np.ndarray:
     """Row order for ``bins = (microbatches, encoder dp, llm dp)`` (identity without
-    ``balance``, or when the rows do not split evenly into the bins)."""
+    ``balance``, or when the rows do not split evenly into the bins).
+
+    Two levels: the module with fewer dp ranks is balanced first over ``microbatches x
+    its dp`` bins (the LLM on tokens, an encoder on images), then each of its bins is
+    split over the finer module's ranks on that module's load."""
     r = len(loads)
     m, dv, dl = bins
-    nb = m * max(dv, dl)
-    if not balance or r % nb:
+    if not balance or r % (m * max(dv, dl)):
         return np.arange(r)
-    per = r // nb
-    means = np.maximum(loads.mean(axis=0), 1e-9)
-    cost = (loads / means).sum(axis=1)
-    load = np.zeros(nb)
-    members: list[list[int]] = [[] for _ in range(nb)]
-    for row in np.argsort(-cost, kind="stable"):
-        open_bins = [b for b in range(nb) if len(members[b]) < per]
-        b = min(open_bins, key=lambda b: (load[b], b))
-        members[b].append(int(row))
-        load[b] += cost[row]
-    return np.asarray([row for b in members for row in b])
+    (coarse, c_key), (fine, f_key) = sorted([(dl, 0), (dv, 1)])  # tokens: 0, images: 1
+    order: list[int] = []
+    for group in _greedy(np.arange(r), loads[:, c_key], m * coarse):
+        for part in _greedy(group, loads[group, f_key], fine // coarse):
+            order.extend(part.tolist())
+    return np.asarray(order)
+
+
+def _greedy(rows: np.ndarray, weights: np.ndarray, nbins: int) -> list[np.ndarray]:
+    """``rows`` in ``nbins`` equal-count bins: heaviest first into the lightest open bin."""
+    per = len(rows) // nbins
+    load = np.zeros(nbins)
+    members: list[list[int]] = [[] for _ in range(nbins)]
+    for i in np.argsort(-weights, kind="stable"):
+        b = min((b for b in range(nbins) if len(members[b]) < per), key=lambda b: (load[b], b))
+        members[b].append(int(rows[i]))
+        load[b] += weights[i]
+    return [np.asarray(b) for b in members]
 
 
 def imbalance(values: np.ndarray, microbatches: int, dp: int) -> float:
