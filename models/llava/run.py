@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from typing import Any
 
 from models import tokenizer
@@ -96,8 +97,9 @@ class DataStream:
         self.metrics: dict[int, dict[str, float]] = {}
 
     def batch(self, step: int) -> dict[str, Any]:
-        b = self.loader.next()
-        self.metrics[step] = b.metrics
+        start = time.perf_counter()
+        b = self.loader.next()  # waits only when the producer is behind
+        self.metrics[step] = {**b.metrics, "data_wait_s": time.perf_counter() - start}
         return b.arrays
 
     def step_metrics(self, step: int) -> dict[str, float]:
