@@ -393,8 +393,9 @@ def _flop_metrics(config: TrainConfig, run: _Run, devices: Sequence[Any]):
 
     def metrics(supervised: float, step_time_s: float) -> dict[str, float]:
         sizes = (config.data.global_batch, run.seq_len, int(supervised))
-        model = flops.model_flops(run.graph, run.model.config.forward_flops(*sizes))
-        executed = run.model.config.forward_flops(*sizes, executed=True)
+        per = {"images_per_sample": run.model.images_per_row}  # image slots run
+        model = flops.model_flops(run.graph, run.model.config.forward_flops(*sizes, **per))
+        executed = run.model.config.forward_flops(*sizes, executed=True, **per)
         if run.plan is None:  # the reference trainer recomputes nothing
             hardware = flops.model_flops(run.graph, executed)
         else:

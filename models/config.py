@@ -202,16 +202,23 @@ class MLLMConfig:
         return counts
 
     def forward_flops(
-        self, batch: int, seq_len: int, supervised: int, *, executed: bool = False
+        self,
+        batch: int,
+        seq_len: int,
+        supervised: int,
+        *,
+        executed: bool = False,
+        images_per_sample: int = 1,
     ) -> dict[str, int]:
         """Forward FLOPs per part (encoders, projectors, ``llm``) of a batch of ``batch``
         samples of ``seq_len`` tokens, ``supervised`` of them under the loss (the rule of
         :func:`hetjax.runtime.flops.model_flops` turns them into training FLOPs);
-        ``executed``: what the kernels compute (:meth:`LLMConfig.forward_flops`)."""
+        ``executed``: what the kernels compute (:meth:`LLMConfig.forward_flops`);
+        ``images_per_sample``: the image slots the vision encoder runs per sample."""
         out: dict[str, int] = {}
         d = self.llm.width
         for name, enc in self.encoders.items():
-            tokens = batch * enc.num_tokens
+            tokens = batch * enc.num_tokens * (images_per_sample if name == "vision" else 1)
             out[name] = tokens * enc.forward_flops_per_token()
             proj = "projector" if name == "vision" else f"{name}_projector"
             out[proj] = tokens * 2 * (enc.width * d + d * d)  # two matmuls

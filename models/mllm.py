@@ -48,6 +48,7 @@ class MLLM:
         if config.shape_only:
             raise ValueError(f"preset {config.name!r} is shape-only (planning); not runnable")
         self.config = config
+        self.images_per_row = images_per_row
         self.modules: dict[str, StagedModule] = {}
         placeholders = {}
         for modality, (enc_name, proj_name, _) in MODALITIES.items():
