@@ -130,8 +130,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 if row["pack"]
                 else wait_fraction(paths, row["balance"], preset, train_steps, out)
             )
-    for row in rows:
-        print(json.dumps(row))
+            print(json.dumps(row), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
