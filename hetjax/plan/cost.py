@@ -204,67 +204,96 @@ def estimate(
     """
     hw = get_profile(hw)
     check_plan(cfg, plan, work)
-    v_shape, l_shape = encoder_shape(cfg), llm_shape(cfg, work.seq_len)
-    v_live, l_live = live_microbatches(plan)
+    vis = vision_stages(cfg, plan, work, hw)
+    llm = llm_stages(cfg, plan, work, hw)
+    return assemble(cfg, plan, work, hw, vis, llm, simulate=simulate)
+
+
+def vision_stages(cfg: Any, plan: Plan, work: Workload, hw: HardwareProfile) -> list[StageCost]:
+    """The encoder's stages under ``plan`` (checked), per LLM microbatch."""
     m = plan.microbatches
     images = work.global_batch * work.images_per_sample
     chunks = encoder_chunks(plan, images)
     vis = module_stages(
-        v_shape,
+        encoder_shape(cfg),
         plan.vision,
         samples=images / chunks,  # the encoder's samples are images
         microbatches=chunks,
-        live=v_live if plan.mode != "colocated" else [chunks],
+        live=live_microbatches(plan)[0] if plan.mode != "colocated" else [chunks],
         cp_redundant=plan.mode == "homogeneous",
         hw=hw,
         act_bytes=work.act_bytes,
     )
-    if chunks != m:  # spread the fused chunks over the schedule's M encoder actions
-        vis = [
-            dataclasses.replace(
-                s, forward_s=s.forward_s * chunks / m, backward_s=s.backward_s * chunks / m
-            )
-            for s in vis
-        ]
-    llm = module_stages(
-        l_shape,
+    if chunks == m:
+        return vis
+    scale = chunks / m  # spread the fused chunks over the schedule's M encoder actions
+    return [
+        dataclasses.replace(s, forward_s=s.forward_s * scale, backward_s=s.backward_s * scale)
+        for s in vis
+    ]
+
+
+def llm_stages(cfg: Any, plan: Plan, work: Workload, hw: HardwareProfile) -> list[StageCost]:
+    """The LLM's stages under ``plan`` (checked); they do not depend on the encoder."""
+    m = plan.microbatches
+    return module_stages(
+        llm_shape(cfg, work.seq_len),
         plan.llm,
         samples=work.global_batch / m,
         microbatches=m,
-        live=l_live,
+        live=live_microbatches(plan)[1],
         vocab=cfg.llm.vocab,
         hw=hw,
         act_bytes=work.act_bytes,
     )
+
+
+def assemble(
+    cfg: Any,
+    plan: Plan,
+    work: Workload,
+    hw: HardwareProfile,
+    vis: list[StageCost],
+    llm: list[StageCost],
+    *,
+    simulate: bool,
+) -> Estimate:
+    """The step from priced stages: schedule makespan, then the slowest device group's
+    gradient reductions and optimizer update."""
     edge = _boundary(cfg, plan, work, hw)
     stages = vis + llm
+    m = plan.microbatches
     t = [s.forward_s + s.backward_s for s in stages]
     recv = [s.recv_s for s in stages]
-    nv = len(vis)
     if plan.mode == "colocated":
-        makespan = plan.microbatches * (t[0] + edge) + _chain(t[1:], recv[1:], plan.microbatches)
+        makespan = m * (t[0] + edge) + _chain(t[1:], recv[1:], m)
     elif plan.mode == "homogeneous":
-        makespan = _chain([t[0] + t[1]] + t[2:], recv[1:], plan.microbatches)
+        makespan = _chain([t[0] + t[1]] + t[2:], recv[1:], m)
     else:
-        recv[nv] = edge
-        makespan = _chain(t, recv, plan.microbatches)
+        recv[len(vis)] = edge
+        makespan = _chain(t, recv, m)
     if simulate:
         makespan = _simulate(plan, stages, recv, edge)
     groups = _device_groups(plan, vis, llm)
-    finish = max(sum(s.reduce_s + s.optimizer_s for s in g) for g in groups)
-    step = makespan + finish
-    per_sample = work.images_per_sample * _forward(v_shape) + _forward(l_shape)
-    model_flops = FACTORS[TRAINED] * per_sample * work.global_batch
+    step = makespan + max(sum(s.reduce_s + s.optimizer_s for s in g) for g in groups)
     return Estimate(
         plan=plan,
         step_time_s=step,
         tokens_per_s=work.tokens / step,
-        tflops_per_gpu=model_flops / step / plan.num_gpus / 1e12,
+        tflops_per_gpu=model_flops(cfg, work) / step / plan.num_gpus / 1e12,
         peak_memory_bytes=max(sum(s.memory.total for s in g) for g in groups),
         memory_limit_bytes=hw.memory_bytes,
         stages=tuple(stages),
         simulated=simulate,
     )
+
+
+def model_flops(cfg: Any, work: Workload) -> float:
+    """Model FLOPs of one step: the trained-part rule (3x forward) over the model's own
+    forward counts, the LM head over every token, no recompute."""
+    v, l = encoder_shape(cfg), llm_shape(cfg, work.seq_len)
+    per_sample = work.images_per_sample * _forward(v) + _forward(l)
+    return FACTORS[TRAINED] * per_sample * work.global_batch
 
 
 def encoder_chunks(plan: Plan, images: int) -> int:

@@ -16,6 +16,7 @@ projector on its last.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 ENCODER, LLM = "vision", "llm"
@@ -56,6 +57,7 @@ def _shallow(cfg: Any, part: str) -> Any:
     return dataclasses.replace(cfg, **{part: dataclasses.replace(getattr(cfg, part), depth=0)})
 
 
+@functools.lru_cache(maxsize=256)
 def llm_shape(cfg: Any, seq_len: int) -> ModuleShape:
     """The LLM of ``cfg`` at ``seq_len`` tokens per sample (every token under the loss)."""
     llm, flat = cfg.llm, _shallow(cfg, "llm")
@@ -88,6 +90,7 @@ def llm_shape(cfg: Any, seq_len: int) -> ModuleShape:
     )
 
 
+@functools.lru_cache(maxsize=256)
 def encoder_shape(cfg: Any) -> ModuleShape:
     """The vision encoder and its projector of ``cfg``; a sample is one image."""
     enc = cfg.vision

@@ -1,0 +1,160 @@
+"""Ask the planner for a layout: ``python -m experiments.plan``.
+
+    python -m experiments.plan --encoder vit-6b --llm llm-120b --gpus 256 --seq-len 8192 \\
+        --gpu h100 [--global-batch 512] [--images 4] [--json out.json]
+
+Prints the best plans (heterogeneous: colocated or non-colocated), the best homogeneous
+plan (the encoder inheriting the LLM's layout), the predicted gain and the memory per
+GPU. ``--model NAME`` plans a runnable preset (``tiny``, ``small``, ...) instead of the
+paper-scale ``--encoder`` / ``--llm`` shapes. Unset, ``--global-batch`` is 4M tokens per
+step (``2**22 // seq_len`` samples), what a Megatron user runs at this scale; ``--images``
+(default 4: 4096 image tokens, half of an 8K sample) sets the token density.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+TOKENS_PER_STEP = 2**22
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanConfig:
+    encoder: str = "vit-6b"  # paper-scale encoder preset (models.config.PAPER_ENCODERS)
+    llm: str = "llm-120b"  # paper-scale LLM preset (models.config.PAPER_LLMS)
+    model: str | None = None  # a runnable preset instead (tiny, small, ...)
+    gpus: int = 256  # GPUs of the job
+    seq_len: int = 8192  # LLM tokens per sample
+    global_batch: int | None = None  # samples per step (None: 4M tokens)
+    images: int = 4  # images per sample
+    gpu: str = "h100"  # hardware profile (h100, h200, cpu)
+    top: int = 5  # plans listed
+    json: str | None = None  # write the result here
+
+
+def default_batch(seq_len: int) -> int:
+    """4M tokens per step (at least one sample)."""
+    return max(1, TOKENS_PER_STEP // seq_len)
+
+
+def model_config(config: PlanConfig):
+    from models.config import PAPER_ENCODERS, PAPER_LLMS, get_preset, paper_preset
+
+    if config.model:
+        return get_preset(config.model)
+    for flag, name, known in (
+        ("--encoder", config.encoder, PAPER_ENCODERS),
+        ("--llm", config.llm, PAPER_LLMS),
+    ):
+        if name not in known:
+            raise ValueError(f"{flag} {name!r} is unknown; choose one of {', '.join(known)}")
+    return paper_preset(config.encoder, config.llm, config.seq_len)
+
+
+def as_dict(est) -> dict:
+    """One plan's figures as plain data."""
+    p = est.plan
+    return {
+        "mode": p.mode,
+        "vision": str(p.vision),
+        "llm": str(p.llm),
+        "microbatches": p.microbatches,
+        "islands": [p.vision.layout.num_devices, p.llm.layout.num_devices]
+        if p.mode == "non-colocated"
+        else None,
+        "step_time_s": est.step_time_s,
+        "tokens_per_s": est.tokens_per_s,
+        "tflops_per_gpu": est.tflops_per_gpu,
+        "peak_memory_gib": est.peak_memory_bytes / 2**30,
+        "memory_limit_gib": est.memory_limit_bytes / 2**30,
+    }
+
+
+def table(result, top: int) -> str:
+    """The readable table."""
+    head = f"{'':3} {'plan':<92} {'tok/s':>9} {'TFLOPS/GPU':>10} {'GiB/GPU':>8}"
+    rows = [head]
+    for i, e in enumerate(result.ranked[:top]):
+        rows.append(_row(str(i + 1), e))
+    rows.append(_row("hom", result.homogeneous))
+    rows.append(
+        f"predicted gain of the best plan ({result.best.plan.mode}) over the homogeneous: "
+        f"{result.gain_pct:+.1f}% tokens/s ({result.candidates} plans priced in "
+        f"{result.seconds:.1f} s)"
+    )
+    return "\n".join(rows)
+
+
+def _row(tag: str, e) -> str:
+    return (
+        f"{tag:3} {str(e.plan):<92} {e.tokens_per_s:9.0f} {e.tflops_per_gpu:10.1f}"
+        f" {e.peak_memory_bytes / 2**30:8.1f}"
+    )
+
+
+def main(config: PlanConfig) -> dict:
+    """Runs the planner, prints the table, writes JSON."""
+    from hetjax.plan import Workload, get_profile
+    from hetjax.plan.search import search
+
+    hw = get_profile(config.gpu)
+    cfg = model_config(config)
+    seq = config.seq_len if not config.model else (config.seq_len or cfg.seq_len)
+    work = Workload(config.global_batch or default_batch(seq), seq, config.images)
+    result = search(cfg, config.gpus, work, hw)
+    print(
+        f"{cfg.name} on {config.gpus} x {hw.name}, global batch {work.global_batch} x "
+        f"{work.seq_len} tokens, {work.images_per_sample} images per sample"
+    )
+    print(table(result, config.top))
+    out = {
+        "model": cfg.name,
+        "gpus": config.gpus,
+        "gpu": hw.name,
+        "global_batch": work.global_batch,
+        "seq_len": work.seq_len,
+        "images_per_sample": work.images_per_sample,
+        "best": as_dict(result.best),
+        "homogeneous": as_dict(result.homogeneous),
+        "top": [as_dict(e) for e in result.ranked[: config.top]],
+        "gain_pct": result.gain_pct,
+        "search_seconds": result.seconds,
+    }
+    if config.json:
+        with open(config.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return out
+
+
+def parse_args(argv: list[str]) -> PlanConfig:
+    from experiments.cli import OneLineParser, positive_int
+
+    p = OneLineParser(prog="plan", description=__doc__.splitlines()[0])
+    d = PlanConfig()
+    p.add_argument("--encoder", default=d.encoder, help="paper-scale encoder, e.g. vit-6b")
+    p.add_argument("--llm", default=d.llm, help="paper-scale LLM, e.g. llm-120b")
+    p.add_argument("--model", default=d.model, help="a runnable preset instead (tiny, small)")
+    p.add_argument("--gpus", type=int, default=d.gpus, help="GPUs of the job")
+    p.add_argument("--seq-len", type=positive_int, default=d.seq_len, help="tokens per sample")
+    p.add_argument("--global-batch", type=positive_int, default=None, help="samples per step")
+    p.add_argument("--images", type=positive_int, default=d.images, help="images per sample")
+    p.add_argument("--gpu", default=d.gpu, help="hardware profile: h100, h200, cpu")
+    p.add_argument("--top", type=positive_int, default=d.top, help="plans listed")
+    p.add_argument("--json", default=d.json, help="write the result as JSON")
+    return PlanConfig(**vars(p.parse_args(argv)))
+
+
+if __name__ == "__main__":
+    from experiments.cli import ConfigError, run_cli
+
+    def _run(argv: list[str]) -> int:
+        try:
+            main(parse_args(argv))
+        except ValueError as e:
+            if isinstance(e, ConfigError):
+                raise
+            raise ConfigError(str(e)) from None
+        return 0
+
+    run_cli(_run, "plan")
