@@ -30,6 +30,7 @@ class PlanConfig:
     images: int = 4  # images per sample
     gpu: str = "h100"  # hardware profile (h100, h200, cpu)
     top: int = 5  # plans listed
+    even_stages: bool = False  # LLM pp must divide its layers (always for --model)
     json: str | None = None  # write the result here
 
 
@@ -102,7 +103,9 @@ def main(config: PlanConfig) -> dict:
     cfg = model_config(config)
     seq = config.seq_len if not config.model else (config.seq_len or cfg.seq_len)
     work = Workload(config.global_batch or default_batch(seq), seq, config.images)
-    result = search(cfg, config.gpus, work, hw)
+    result = search(
+        cfg, config.gpus, work, hw, even_stages=config.even_stages or bool(config.model)
+    )
     print(
         f"{cfg.name} on {config.gpus} x {hw.name}, global batch {work.global_batch} x "
         f"{work.seq_len} tokens, {work.images_per_sample} images per sample"
@@ -140,6 +143,9 @@ def parse_args(argv: list[str]) -> PlanConfig:
     p.add_argument("--global-batch", type=positive_int, default=None, help="samples per step")
     p.add_argument("--images", type=positive_int, default=d.images, help="images per sample")
     p.add_argument("--gpu", default=d.gpu, help="hardware profile: h100, h200, cpu")
+    p.add_argument(
+        "--even-stages", action="store_true", help="LLM pp divides its layers (hetjax's executor)"
+    )
     p.add_argument("--top", type=positive_int, default=d.top, help="plans listed")
     p.add_argument("--json", default=d.json, help="write the result as JSON")
     return PlanConfig(**vars(p.parse_args(argv)))

@@ -6,7 +6,8 @@ Enumerating the product is millions of plans at 256 GPUs, so the search prunes w
 constraints and with the cost model's structure instead:
 
 - degrees must divide what they split (TP the key/value heads and at most a node; PP the
-  layers; CP the sequence in 2 x cp zigzag chunks; DP the microbatch's samples);
+  layers, unless uneven stages are allowed; CP the sequence in 2 x cp zigzag chunks; DP
+  the microbatch's samples);
 - the LLM's stages depend only on its own layout and M (not on the encoder's), so each
   LLM candidate on ``n`` GPUs is priced once and kept only on the Pareto front of
   (standalone 1F1B time, memory) per ``(n, M)``; encoder candidates likewise;
@@ -60,14 +61,16 @@ def _powers(limit: int) -> list[int]:
     return [2**i for i in range(limit.bit_length()) if 2**i <= limit]
 
 
-def llm_layouts(cfg: Any, n: int, work: Workload, hw: HardwareProfile) -> list[Layout]:
-    """The LLM's valid layouts on ``n`` GPUs."""
+def llm_layouts(
+    cfg: Any, n: int, work: Workload, hw: HardwareProfile, *, even: bool = True
+) -> list[Layout]:
+    """The LLM's valid layouts on ``n`` GPUs (``even``: pp divides the layers)."""
     llm, out = cfg.llm, []
     for tp in _divisors(llm.kv_heads, hw.gpus_per_node):
         for cp in _powers(MAX_CP):
             if work.seq_len % (2 * cp) or n % (tp * cp):
                 continue
-            for pp in _divisors(llm.depth, MAX_PP):
+            for pp in _divisors(llm.depth, MAX_PP) if even else range(1, MAX_PP + 1):
                 if n % (tp * cp * pp):
                     continue
                 dp = n // (tp * cp * pp)
@@ -112,6 +115,7 @@ def search(
     hw: HardwareProfile | str,
     *,
     modes: tuple[str, ...] = ("colocated", "non-colocated"),
+    even_stages: bool = True,
 ) -> SearchResult:
     """The best heterogeneous plan in ``modes`` and the best homogeneous plan.
 
@@ -121,6 +125,8 @@ def search(
         work: Global batch and sequence length.
         hw: A profile or its name (``h100``, ``h200``, ``cpu``).
         modes: Heterogeneous modes to search.
+        even_stages: The LLM's pp divides its layers (as hetjax's executor needs); False
+            allows Megatron's uneven splits, priced at the largest stage.
 
     Returns:
         The :class:`SearchResult`.
@@ -152,7 +158,7 @@ def search(
             return llm_cache[n]
         items: dict[int, list] = defaultdict(list)
         for lay, mbs, saver in itertools.product(
-            llm_layouts(cfg, n, work, hw), MICROBATCH_SIZES, _savers()
+            llm_layouts(cfg, n, work, hw, even=even_stages), MICROBATCH_SIZES, _savers()
         ):
             if work.global_batch % (lay.dp * mbs):
                 continue

@@ -95,7 +95,7 @@ def module_stages(
     lane = samples / dp  # samples per data lane per microbatch
     tokens = lane * shape.tokens / split  # per device, inside the blocks
     rate = hw.matmul_tflops(min(min(shape.width, shape.mlp) / tp, tokens)) * 1e12
-    layers = shape.depth // pp
+    layers = -(-shape.depth // pp)  # uneven splits priced as their largest stage
     buf = tokens * shape.width * act_bytes  # one block's residual stream, per device
     tp_x, cp_x = crosses_nodes(1, tp, hw), crosses_nodes(tp, cp, hw)
     dp_x, pp_x = crosses_nodes(tp * cp, dp, hw), crosses_nodes(tp * cp * dp, 2, hw)
