@@ -37,6 +37,9 @@ class Workload:
     seq_len: int  # LLM tokens per sample, image tokens included
     images_per_sample: int = 1  # images the encoder sees per sample
     act_bytes: int = BF16  # bytes per activation element (BF16 2, FP32 4)
+    full_attention: bool = False  # kernels compute the masked half too (hetjax's XLA attention)
+    fused_columns: bool = True  # one TP gradient reduction per block region (Megatron)
+    replica_grads_per_microbatch: bool = False  # cp/ep gradient sums in every backward (hetjax)
 
     @property
     def tokens(self) -> int:
@@ -223,6 +226,8 @@ def vision_stages(cfg: Any, plan: Plan, work: Workload, hw: HardwareProfile) -> 
         cp_redundant=plan.mode == "homogeneous",
         hw=hw,
         act_bytes=work.act_bytes,
+        fused_columns=work.fused_columns,
+        replica_grads_per_microbatch=work.replica_grads_per_microbatch,
     )
     if chunks == m:
         return vis
@@ -237,7 +242,7 @@ def llm_stages(cfg: Any, plan: Plan, work: Workload, hw: HardwareProfile) -> lis
     """The LLM's stages under ``plan`` (checked); they do not depend on the encoder."""
     m = plan.microbatches
     return module_stages(
-        llm_shape(cfg, work.seq_len),
+        llm_shape(cfg, work.seq_len, work.full_attention),
         plan.llm,
         samples=work.global_batch / m,
         microbatches=m,
@@ -245,6 +250,8 @@ def llm_stages(cfg: Any, plan: Plan, work: Workload, hw: HardwareProfile) -> lis
         vocab=cfg.llm.vocab,
         hw=hw,
         act_bytes=work.act_bytes,
+        fused_columns=work.fused_columns,
+        replica_grads_per_microbatch=work.replica_grads_per_microbatch,
     )
 
 
@@ -291,7 +298,7 @@ def assemble(
 def model_flops(cfg: Any, work: Workload) -> float:
     """Model FLOPs of one step: the trained-part rule (3x forward) over the model's own
     forward counts, the LM head over every token, no recompute."""
-    v, l = encoder_shape(cfg), llm_shape(cfg, work.seq_len)
+    v, l = encoder_shape(cfg), llm_shape(cfg, work.seq_len)  # routed tokens, causal
     per_sample = work.images_per_sample * _forward(v) + _forward(l)
     return FACTORS[TRAINED] * per_sample * work.global_batch
 

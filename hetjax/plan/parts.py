@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 ENCODER, LLM = "vision", "llm"
@@ -44,8 +45,11 @@ class ModuleShape:
     last_flops: float  # ... on the last stage (LM head, projector)
     attention_flops: float  # part of layer_flops in QK^T / PV (weightless), per sample
     out_width: int  # features per token leaving the module (the boundary's width)
+    column_mats: int  # column-parallel weight matrices reading a block's normed inputs
+    projector: bool  # a two-matmul projector (column then row parallel) on the last stage
     experts: int = 1  # MoE experts per layer (1: dense)
-    top_k: int = 1  # experts a token visits
+    top_k: int = 1  # expert slots a token fills (routed k; executed: capacity buffers)
+    expert_params: float = 0.0  # parameters of one block's experts (split over ep)
 
     @property
     def params(self) -> float:
@@ -58,13 +62,20 @@ def _shallow(cfg: Any, part: str) -> Any:
 
 
 @functools.lru_cache(maxsize=256)
-def llm_shape(cfg: Any, seq_len: int) -> ModuleShape:
-    """The LLM of ``cfg`` at ``seq_len`` tokens per sample (every token under the loss)."""
+def llm_shape(cfg: Any, seq_len: int, executed: bool = False) -> ModuleShape:
+    """The LLM of ``cfg`` at ``seq_len`` tokens per sample (every token under the loss);
+    ``executed``: attention FLOPs as kernels without a causal skip compute them (the full
+    ``L x L`` square, as hetjax's XLA attention does), else causal (flash attention)."""
+    if executed and cfg.llm.moe:  # the kernels fill every capacity slot of every expert
+        moe = cfg.llm.moe
+        cfg = dataclasses.replace(
+            cfg, llm=dataclasses.replace(cfg.llm, moe=dataclasses.replace(moe, top_k=slots(moe)))
+        )
     llm, flat = cfg.llm, _shallow(cfg, "llm")
-    full = cfg.forward_flops(1, seq_len, seq_len)["llm"]
-    outside = flat.forward_flops(1, seq_len, seq_len)["llm"]
+    full = cfg.forward_flops(1, seq_len, seq_len, executed=executed)["llm"]
+    outside = flat.forward_flops(1, seq_len, seq_len, executed=executed)["llm"]
     params, base = cfg.num_params()["llm"], flat.num_params()["llm"]
-    attention = cfg.attention_flops(1, seq_len)["llm"] / llm.depth
+    attention = cfg.attention_flops(1, seq_len, executed=executed)["llm"] / llm.depth
     moe = llm.moe
     return ModuleShape(
         name=LLM,
@@ -85,9 +96,25 @@ def llm_shape(cfg: Any, seq_len: int) -> ModuleShape:
         last_flops=outside,
         attention_flops=attention,
         out_width=llm.width,
+        column_mats=5,  # q, k, v, gate, up (separate weights, as in Llama)
+        projector=False,
         experts=moe.num_experts if moe else 1,
         top_k=moe.top_k if moe else 1,
+        expert_params=_expert_params(moe, llm.width, llm.mlp),
     )
+
+
+def slots(moe: Any) -> int:
+    """Expert slots per token that a GShard capacity buffer holds: ``E`` when dropless
+    (every expert has room for every token), else about ``capacity_factor x k``."""
+    if moe.capacity_factor is None:
+        return moe.num_experts
+    return min(moe.num_experts, math.ceil(moe.capacity_factor * moe.top_k))
+
+
+def _expert_params(moe: Any, width: int, mlp: int) -> float:
+    # MoEConfig.num_params counts the router (width x E) and then the experts.
+    return 0.0 if moe is None else moe.num_params(width, mlp) - width * moe.num_experts
 
 
 @functools.lru_cache(maxsize=256)
@@ -119,8 +146,11 @@ def encoder_shape(cfg: Any) -> ModuleShape:
         last_flops=full["projector"],
         attention_flops=cfg.attention_flops(n, 1)["vision"] / enc.depth,
         out_width=cfg.llm.width,
+        column_mats=2,  # fused qkv, MLP up
+        projector=True,
         experts=moe.num_experts if moe else 1,
         top_k=moe.top_k if moe else 1,
+        expert_params=_expert_params(moe, enc.width, enc.mlp),
     )
 
 

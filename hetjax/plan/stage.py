@@ -6,7 +6,8 @@ leaves), plus its exposed collectives: TP (two all-gathers and two reduce-scatte
 block with sequence parallelism, two all-reduces without; the backward as many), the CP
 ring (``cp - 1`` key/value passes per block, hidden behind attention where attention is
 longer), MoE all-to-alls (dispatch and combine). Backward is twice the forward's compute
-(three times with full recompute, which also repeats the forward's collectives). The DP
+(three times with full recompute, which also repeats the forward's collectives); its TP
+collectives are one per column-parallel input gradient. The DP
 gradient reduction (ZeRO-1: reduce-scatter of gradients, all-gather of parameters) runs
 once per step and overlaps only the last microbatch's backward, as Megatron's bucketed
 overlap does.
@@ -59,6 +60,9 @@ class StageCost:
     memory: StageMemory
     flops: float  # model forward FLOPs of one microbatch, all devices of the stage
     comm: dict[str, float]  # per device per step: buffer bytes by collective kind
+    forward_comm: dict[str, float]  # ... of one microbatch's forward pass
+    backward_comm: dict[str, float]  # ... of one microbatch's backward pass (no recompute)
+    step_comm: dict[str, float]  # ... once per step (the DP gradient reduction)
 
 
 def module_stages(
@@ -72,6 +76,8 @@ def module_stages(
     act_bytes: int = BF16,
     cp_redundant: bool = False,
     vocab: int = 0,
+    fused_columns: bool = True,
+    replica_grads_per_microbatch: bool = False,
 ) -> list[StageCost]:
     """Costs of every pipeline stage of a module.
 
@@ -84,7 +90,15 @@ def module_stages(
         hw: The hardware.
         act_bytes: Bytes per activation element (BF16: 2, FP32: 4).
         cp_redundant: CP ranks repeat the module's work (see the module doc).
-        vocab: LM-head vocabulary on the last stage (0: none).
+        vocab: Vocabulary of a vocabulary-parallel embedding (first stage) and LM head
+            (last stage); 0: none.
+        fused_columns: The backward all-reduces one input gradient per block region
+            (Megatron fuses QKV and gate/up); False: one per column-parallel matrix
+            (``shape.column_mats``), as XLA does for separate weights.
+        replica_grads_per_microbatch: Gradients of parameters replicated over the cp (and
+            ep) ranks are summed inside every microbatch's backward, as GSPMD does in
+            hetjax's stage programs, and only the dp ranks reduce once per step; False:
+            one reduction over dp x cp per step (Megatron).
 
     Returns:
         One :class:`StageCost` per stage.
@@ -105,50 +119,71 @@ def module_stages(
         first, last = s == 0, s == pp - 1
         per_lane = layers * shape.layer_flops + first * shape.first_flops + last * shape.last_flops
         compute = lane * per_lane / (tp * split) / rate
-        comm: dict[str, float] = defaultdict(float)
-        fwd_calls = 2 * layers  # per kind: two per block (attention, MLP)
-        if plan.sequence_parallel:
-            tp_f = collective_time("all-gather", buf, tp, crosses=tp_x, hw=hw, calls=fwd_calls)
-            tp_f += collective_time("reduce-scatter", buf, tp, crosses=tp_x, hw=hw, calls=fwd_calls)
-            tp_kinds = ("all-gather", "reduce-scatter")
-        else:
-            tp_f = collective_time("all-reduce", buf, tp, crosses=tp_x, hw=hw, calls=fwd_calls)
-            tp_kinds = ("all-reduce",)
+        # TP collectives per pass: two per block forward (after attention and MLP), the
+        # vocabulary-parallel embedding's on the first stage; backward one per input
+        # gradient of the column-parallel matmuls, the LM head's on the last stage.
+        head = vocab > 0
+        calls_f = 2 * layers + (first and head)
+        calls_b = (2 if fused_columns else shape.column_mats) * layers + (last and head)
+        kinds = ("all-gather", "reduce-scatter") if plan.sequence_parallel else ("all-reduce",)
+        tp_f = sum(collective_time(k, buf, tp, crosses=tp_x, hw=hw, calls=calls_f) for k in kinds)
+        tp_b = sum(collective_time(k, buf, tp, crosses=tp_x, hw=hw, calls=calls_b) for k in kinds)
         kv = tokens * 2 * shape.kv_width / tp * act_bytes
         ring = collective_time("p2p", kv, cp, crosses=cp_x, hw=hw, calls=(cp - 1) * layers)
         if cp_redundant:
             ring = 0.0
         attention = lane * layers * shape.attention_flops / (tp * split) / rate
-        a2a_buf = tokens * shape.top_k * shape.width * act_bytes
+        a2a_buf = tokens * shape.top_k * shape.width * act_bytes  # [E, C, D] buffers
         ep_x = crosses_nodes(tp * cp, ep, hw)
-        a2a = moe * collective_time("all-to-all", a2a_buf, ep, crosses=ep_x, hw=hw, calls=fwd_calls)
+        a2a_calls = 2 * layers  # dispatch and combine per block
+        a2a = moe * collective_time("all-to-all", a2a_buf, ep, crosses=ep_x, hw=hw, calls=a2a_calls)
         forward = compute + tp_f + max(0.0, ring - attention) + a2a
-        backward = 2 * compute + tp_f + max(0.0, 2 * ring - 2 * attention) + a2a
-        passes = 2  # collectives of one microbatch: forward, backward
+        backward = 2 * compute + tp_b + max(0.0, 2 * ring - 2 * attention) + a2a
         if plan.recompute == "full":
             backward += forward
-            passes = 3
-        if tp > 1:
-            for kind in tp_kinds:
-                comm[kind] += microbatches * passes * fwd_calls * buf
+        fwd_comm: dict[str, float] = defaultdict(float)
+        bwd_comm: dict[str, float] = defaultdict(float)
+        for kind in kinds if tp > 1 else ():
+            fwd_comm[kind] += calls_f * buf
+            bwd_comm[kind] += calls_b * buf
+        if shape.projector and last and tp > 1:  # its row-parallel output, column input
+            fwd_comm[kinds[0]] += tokens * shape.out_width * act_bytes
+            bwd_comm[kinds[0]] += buf
         if cp > 1 and not cp_redundant:
-            comm["collective-permute"] += microbatches * (passes + 1) * (cp - 1) * layers * kv
+            fwd_comm["collective-permute"] += (cp - 1) * layers * kv
+            # K/V pass the ring again; the dK/dV accumulators travel all cp hops home.
+            bwd_comm["collective-permute"] += (2 * cp - 1) * layers * kv
         if moe:
-            comm["all-to-all"] += microbatches * passes * fwd_calls * a2a_buf
+            fwd_comm["all-to-all"] += a2a_calls * a2a_buf
+            bwd_comm["all-to-all"] += a2a_calls * a2a_buf
         recv = 0.0
         if not first:
             act = buf / (tp if plan.sequence_parallel else 1)
             recv = collective_time("p2p", act, 2, crosses=pp_x, hw=hw)
         params = layers * shape.layer_params + first * shape.first_params + last * shape.last_params
+        experts = layers * shape.expert_params
+        params -= experts * (1 - 1 / ep)  # held: the dense part and 1 / ep of the experts
         group = dp * cp
         grads = params / tp * FP32
+        sync = 1 if cp_redundant else cp * (ep if moe else 1)
+        if replica_grads_per_microbatch and sync > 1:
+            dense = (params - experts / ep) / tp * FP32
+            backward += collective_time("all-reduce", dense, sync, crosses=cp_x, hw=hw)
+            bwd_comm["all-reduce"] += dense
+            group = dp // ep if moe else dp
         if plan.zero1:
             reduce = collective_time("reduce-scatter", grads, group, crosses=dp_x, hw=hw)
-            reduce += collective_time("all-gather", params / tp * BF16, group, crosses=dp_x, hw=hw)
+            gather = params / tp * act_bytes  # the compute copy
+            reduce += collective_time("all-gather", gather, group, crosses=dp_x, hw=hw)
         else:
             reduce = collective_time("all-reduce", grads, group, crosses=dp_x, hw=hw)
-        if group > 1:
-            comm["all-reduce"] += grads  # hetjax reduces FP32 gradients with one all-reduce
+        step_comm = {"all-reduce": grads} if group > 1 else {}  # one FP32 all-reduce
+        if plan.zero1 and group > 1:
+            step_comm["all-gather"] = gather
+        forwards = 2 if plan.recompute == "full" else 1
+        comm = defaultdict(float, step_comm)
+        for kind in set(fwd_comm) | set(bwd_comm):
+            comm[kind] += microbatches * (forwards * fwd_comm[kind] + bwd_comm[kind])
         shard = group if plan.zero1 else 1
         mem = stage_memory(
             shape,
@@ -176,6 +211,9 @@ def module_stages(
                 memory=mem,
                 flops=samples * per_lane,
                 comm=dict(comm),
+                forward_comm=dict(fwd_comm),
+                backward_comm=dict(bwd_comm),
+                step_comm=step_comm,
             )
         )
     return out
