@@ -151,16 +151,20 @@ def parse_args(argv: list[str]) -> PlanConfig:
     return PlanConfig(**vars(p.parse_args(argv)))
 
 
+def cli(argv: list[str]) -> int:
+    """The command line: a bad setting raises ConfigError (one line)."""
+    from experiments.cli import ConfigError
+
+    try:
+        main(parse_args(argv))
+    except ConfigError:
+        raise
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return 0
+
+
 if __name__ == "__main__":
-    from experiments.cli import ConfigError, run_cli
+    from experiments.cli import run_cli
 
-    def _run(argv: list[str]) -> int:
-        try:
-            main(parse_args(argv))
-        except ValueError as e:
-            if isinstance(e, ConfigError):
-                raise
-            raise ConfigError(str(e)) from None
-        return 0
-
-    run_cli(_run, "plan")
+    run_cli(cli, "plan")

@@ -1,7 +1,6 @@
 """The planner and its CLI: best plans, pruning speed, one-line errors."""
 
 import json
-import subprocess
 import sys
 
 import pytest
@@ -57,8 +56,9 @@ def test_too_big_says_how_far_over():
     assert "\n" not in str(err.value)
 
 
-def test_cli_table_json_and_errors(tmp_path, capsys):
+def test_cli_table_json_and_errors(tmp_path, capsys, monkeypatch):
     from experiments import plan as cli
+    from experiments.cli import run_cli
 
     out = tmp_path / "p.json"
     argv = ["--encoder", "vit-1b", "--llm", "llm-14b", "--gpus", "16", "--global-batch", "32"]
@@ -68,7 +68,9 @@ def test_cli_table_json_and_errors(tmp_path, capsys):
     data = json.loads(out.read_text())
     assert data["best"]["mode"] in ("colocated", "non-colocated")
     assert data["homogeneous"]["peak_memory_gib"] <= data["homogeneous"]["memory_limit_gib"]
-    cmd = [sys.executable, "-m", "experiments.plan", "--gpu", "tpu9"]
-    bad = subprocess.run(cmd, capture_output=True, text=True)
-    assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0
-    assert "unknown GPU profile 'tpu9'" in bad.stderr
+    monkeypatch.setattr(sys, "argv", ["plan", "--gpu", "tpu9"])
+    with pytest.raises(SystemExit) as done:
+        run_cli(cli.cli, "plan")
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and err.strip().count("\n") == 0
+    assert "unknown GPU profile 'tpu9'" in err
