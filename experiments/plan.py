@@ -151,6 +151,67 @@ def parse_args(argv: list[str]) -> PlanConfig:
     return PlanConfig(**vars(p.parse_args(argv)))
 
 
+AUTO = "auto"  # --layout auto: parallel.layouts == {AUTO: AUTO}
+
+
+def hetjax_workload(global_batch: int, seq_len: int, *, act_bytes: int):
+    """A runnable preset's step as hetjax's executor runs it: one image per sample, XLA's
+    full attention, separate q/k/v/gate/up weights, cp/ep gradients summed per microbatch
+    (what the validation test checks against the compiled programs)."""
+    from hetjax.plan import Workload
+
+    return Workload(
+        global_batch,
+        seq_len,
+        1,
+        act_bytes=act_bytes,
+        full_attention=True,
+        fused_columns=False,
+        replica_grads_per_microbatch=True,
+    )
+
+
+def auto_plans(
+    cfg, num_devices: int, work, *, gpu: str, zero1: bool, sequence_parallel: bool
+) -> list:
+    """The planner's heterogeneous plans for ``--layout auto``, best first: whole pipeline
+    stages, the run's own ZeRO-1 and sequence-parallel switches, hetjax's recompute (the
+    executor re-runs each stage's forward in its backward: priced as none)."""
+    from hetjax.plan.search import search
+
+    if cfg.audio is not None or cfg.vision is None:
+        raise ValueError(
+            f"--layout auto plans one vision encoder and the LLM; {cfg.name} has "
+            f"{', '.join(cfg.encoders) or 'no encoder'}: give --layout per module"
+        )
+    saver = dict(recompute="none", zero1=zero1, sequence_parallel=sequence_parallel)
+    result = search(cfg, num_devices, work, gpu, even_stages=True, savers=[saver], keep=64)
+    return list(result.ranked)
+
+
+def plan_layouts(plan) -> tuple[str, dict[str, str], dict[str, int] | None, int]:
+    """A planner :class:`~hetjax.plan.Plan` as executor settings: mode, layout texts per
+    module, islands (non-colocated) and microbatches."""
+    v, l = plan.vision.layout, plan.llm.layout
+    islands = {"vision": v.num_devices, "llm": l.num_devices}
+    islands = islands if plan.mode == "non-colocated" else None
+    return plan.mode, {"vision": str(v), "llm": str(l)}, islands, plan.microbatches
+
+
+def first_accepted(ests: list, accept):
+    """The first estimate whose plan ``accept(mode, layouts, islands, microbatches)`` takes
+    without a ValueError (e.g. a TP degree the encoder's heads do not divide), and what
+    ``accept`` returned."""
+    for est in ests:
+        try:
+            return est, accept(*plan_layouts(est.plan))
+        except ValueError:
+            continue
+    raise ValueError(
+        f"--layout auto: none of the planner's {len(ests)} plans runs here; give --layout"
+    )
+
+
 def cli(argv: list[str]) -> int:
     """The command line: a bad setting raises ConfigError (one line)."""
     from experiments.cli import ConfigError

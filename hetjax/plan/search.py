@@ -21,6 +21,7 @@ import dataclasses
 import itertools
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from typing import Any
 
 from hetjax.meshes.layout import Layout
@@ -94,8 +95,10 @@ def vision_layouts(cfg: Any, n: int, hw: HardwareProfile, *, pipelined: bool) ->
     return out
 
 
-def _savers() -> list[dict]:
-    return [dict(recompute=r, zero1=z) for r in RECOMPUTE for z in (False, True)]
+# The ModulePlan options tried per module by default: recompute x ZeRO-1.
+SAVERS: tuple[dict, ...] = tuple(
+    dict(recompute=r, zero1=z) for r in RECOMPUTE for z in (False, True)
+)
 
 
 def _front(items: list[tuple[float, float, Any]]) -> list[Any]:
@@ -116,6 +119,8 @@ def search(
     *,
     modes: tuple[str, ...] = ("colocated", "non-colocated"),
     even_stages: bool = True,
+    savers: Sequence[dict] = SAVERS,
+    keep: int = SIMULATED,
 ) -> SearchResult:
     """The best heterogeneous plan in ``modes`` and the best homogeneous plan.
 
@@ -127,6 +132,9 @@ def search(
         modes: Heterogeneous modes to search.
         even_stages: The LLM's pp divides its layers (as hetjax's executor needs); False
             allows Megatron's uneven splits, priced at the largest stage.
+        savers: The :class:`ModulePlan` options tried per module (recompute, zero1,
+            sequence_parallel), e.g. ``[dict(zero1=True)]`` to fix ZeRO-1 on.
+        keep: Best closed-form plans per mode re-timed with the simulator (and ranked).
 
     Returns:
         The :class:`SearchResult`.
@@ -158,7 +166,7 @@ def search(
             return llm_cache[n]
         items: dict[int, list] = defaultdict(list)
         for lay, mbs, saver in itertools.product(
-            llm_layouts(cfg, n, work, hw, even=even_stages), MICROBATCH_SIZES, _savers()
+            llm_layouts(cfg, n, work, hw, even=even_stages), MICROBATCH_SIZES, savers
         ):
             if work.global_batch % (lay.dp * mbs):
                 continue
@@ -189,14 +197,14 @@ def search(
     found: dict[str, list[Estimate]] = defaultdict(list)
     for m, front in llm_front(num_gpus).items():
         for mp, stages in front:
-            for saver in _savers():
+            for saver in savers:
                 base = dataclasses.replace(mp.layout, pp=1, ep=1)
                 plan = Plan("homogeneous", ModulePlan(base, **saver), mp, m)
                 if est := price(plan, stages):
                     found["homogeneous"].append(est)
             if "colocated" in modes:
                 for lay, saver in itertools.product(
-                    vision_layouts(cfg, num_gpus, hw, pipelined=False), _savers()
+                    vision_layouts(cfg, num_gpus, hw, pipelined=False), savers
                 ):
                     plan = Plan("colocated", ModulePlan(lay, **saver), mp, m)
                     if est := price(plan, stages):
@@ -206,7 +214,7 @@ def search(
         for n_vis in range(step, num_gpus, step):
             fronts = llm_front(num_gpus - n_vis)
             for lay, saver in itertools.product(
-                vision_layouts(cfg, n_vis, hw, pipelined=True), _savers()
+                vision_layouts(cfg, n_vis, hw, pipelined=True), savers
             ):
                 for m, front in fronts.items():
                     for mp, stages in front:
@@ -215,7 +223,7 @@ def search(
                             found["non-colocated"].append(est)
     by_mode = {}
     for mode, ests in found.items():
-        best = sorted(ests, key=lambda e: e.step_time_s)[:SIMULATED]
+        best = sorted(ests, key=lambda e: e.step_time_s)[:keep]
         timed = [
             price(e.plan, list(e.stages[e.plan.vision.layout.pp :]), simulate=True) for e in best
         ]
