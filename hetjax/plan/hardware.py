@@ -62,18 +62,22 @@ H100 = HardwareProfile(
 )
 # H200 SXM 141GB: the H100's compute and links, more and faster HBM3e.
 H200 = dataclasses.replace(H100, name="h200", hbm_gib=141.0, hbm_tbps=4.8)
-# This machine's CPU as JAX's host platform (simulated devices share the cores):
-# calibrated from measured program times, see hetjax.plan.calibrate.
+# This machine's CPU as JAX's host platform, per simulated device (8 share 2 cores and
+# 23 GiB): the matmul curve fitted by `python -m experiments.calibrate` (R = 7.6 GFLOP/s
+# per device, knee 101, on a loaded machine; the worst point was 90% off the fit, so
+# treat CPU predictions as rough). Links: in-process copies.
 CPU = HardwareProfile(
     name="cpu",
-    peak_tflops=0.05,
-    hbm_gib=16.0,
-    hbm_tbps=0.02,
-    nvlink_gbps=5.0,
-    ib_gbps=5.0,
+    peak_tflops=0.0076,
+    hbm_gib=2.5,
+    hbm_tbps=0.005,
+    nvlink_gbps=2.0,
+    ib_gbps=2.0,
     gpus_per_node=8,
     matmul_efficiency=1.0,
-    matmul_knee=16.0,
+    matmul_knee=101.0,
+    comm_efficiency=1.0,
+    latency_us=50.0,
     reserved_gib=0.0,
 )
 
