@@ -36,6 +36,7 @@ ROWS = (
     ("non-colocated big encoder", "vit-6b", "llm-120b", 8192, 9.6, "TFLOPS/GPU", "non-colocated"),
 )
 SWEEP = ("vit-1b", "vit-3b", "vit-6b", "vit-12b")
+REGIME_LLM = "llm-120b"  # the LLM of the regime sweep
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +90,7 @@ def regime(gpu: str) -> dict:
     """Colocated vs non-colocated for a 120B LLM at 8K, by encoder size."""
     sweep = []
     for enc in SWEEP:
-        r = plan_pair(enc, "llm-120b", 8192, gpu)
+        r = plan_pair(enc, REGIME_LLM, 8192, gpu)
         hom = r.homogeneous.tokens_per_s
         gains = {
             m: 100 * (r.by_mode[m].tokens_per_s / hom - 1) if m in r.by_mode else None
@@ -126,7 +127,7 @@ def print_table(rows: list[dict], reg: dict) -> None:
     for s in reg["sweep"]:
         c, n = s["colocated_gain_pct"], s["non-colocated_gain_pct"]
         print(
-            f"  llm-120b + {s['encoder']}: colocated {c:+.1f}%  non-colocated "
+            f"  {REGIME_LLM} + {s['encoder']}: colocated {c:+.1f}%  non-colocated "
             + (f"{n:+.1f}%" if n is not None else "no plan fits")
         )
     print(
@@ -172,10 +173,12 @@ def plot(path: str, rows: list[dict], reg: dict, ctx: list[dict]) -> None:
         )
     names = [s["encoder"] for s in reg["sweep"]]
     for r in rows:
-        if r["llm"] == "llm-120b" and r["encoder"] in names:
+        if r["llm"] == REGIME_LLM and r["encoder"] in names:
             b.plot(names.index(r["encoder"]), r["paper_gain_pct"], "r*", ms=12)
     b.set_xticks(list(x), names)
-    b.set(xlabel="encoder", ylabel="gain over homogeneous (%)", title="llm-120b, 8K (red: paper)")
+    b.set(
+        xlabel="encoder", ylabel="gain over homogeneous (%)", title=f"{REGIME_LLM}, 8K (red: paper)"
+    )
     b.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
