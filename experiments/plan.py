@@ -6,8 +6,10 @@
 Prints the best plans (heterogeneous: colocated or non-colocated), the best homogeneous
 plan (the encoder inheriting the LLM's layout), the predicted gain and the memory per
 GPU. ``--model NAME`` plans a runnable preset (``tiny``, ``small``, ...) instead of the
-paper-scale ``--encoder`` / ``--llm`` shapes. Unset, ``--global-batch`` is 4M tokens per
-step (``2**22 // seq_len`` samples), what a Megatron user runs at this scale; ``--images``
+paper-scale ``--encoder`` / ``--llm`` shapes, as hetjax's executor runs it (one image per
+sample, its own sequence length, global batch 32 unless given; FP32 on ``--gpu cpu``).
+Otherwise an unset ``--global-batch`` is 4M tokens per step (``2**22 // seq_len``
+samples), what a Megatron user runs at this scale; ``--images``
 (default 4: 4096 image tokens, half of an 8K sample) sets the token density.
 """
 
@@ -17,6 +19,7 @@ import dataclasses
 import json
 
 TOKENS_PER_STEP = 2**22
+RUN_BATCH = 32  # --model: llava_train's default global batch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,7 +28,7 @@ class PlanConfig:
     llm: str = "llm-120b"  # paper-scale LLM preset (models.config.PAPER_LLMS)
     model: str | None = None  # a runnable preset instead (tiny, small, ...)
     gpus: int = 256  # GPUs of the job
-    seq_len: int = 8192  # LLM tokens per sample
+    seq_len: int | None = None  # LLM tokens per sample (None: 8192; --model: its own)
     global_batch: int | None = None  # samples per step (None: 4M tokens)
     images: int = 4  # images per sample
     gpu: str = "h100"  # hardware profile (h100, h200, cpu)
@@ -50,7 +53,7 @@ def model_config(config: PlanConfig):
     ):
         if name not in known:
             raise ValueError(f"{flag} {name!r} is unknown; choose one of {', '.join(known)}")
-    return paper_preset(config.encoder, config.llm, config.seq_len)
+    return paper_preset(config.encoder, config.llm, config.seq_len or 8192)
 
 
 def as_dict(est) -> dict:
@@ -89,7 +92,7 @@ def table(result, top: int) -> str:
 
 def _row(tag: str, e) -> str:
     return (
-        f"{tag:3} {str(e.plan):<92} {e.tokens_per_s:9.0f} {e.tflops_per_gpu:10.1f}"
+        f"{tag:3} {str(e.plan):<92} {e.tokens_per_s:9.0f} {e.tflops_per_gpu:10.3g}"
         f" {e.peak_memory_bytes / 2**30:8.1f}"
     )
 
@@ -101,8 +104,12 @@ def main(config: PlanConfig) -> dict:
 
     hw = get_profile(config.gpu)
     cfg = model_config(config)
-    seq = config.seq_len if not config.model else (config.seq_len or cfg.seq_len)
-    work = Workload(config.global_batch or default_batch(seq), seq, config.images)
+    seq = config.seq_len or cfg.seq_len
+    batch = config.global_batch or (RUN_BATCH if config.model else default_batch(seq))
+    if config.model:  # a runnable preset: plan what hetjax's executor runs
+        work = hetjax_workload(batch, seq, act_bytes=2 if hw.name != "cpu" else 4)
+    else:
+        work = Workload(batch, seq, config.images)
     result = search(
         cfg, config.gpus, work, hw, even_stages=config.even_stages or bool(config.model)
     )
@@ -139,7 +146,7 @@ def parse_args(argv: list[str]) -> PlanConfig:
     p.add_argument("--llm", default=d.llm, help="paper-scale LLM, e.g. llm-120b")
     p.add_argument("--model", default=d.model, help="a runnable preset instead (tiny, small)")
     p.add_argument("--gpus", type=int, default=d.gpus, help="GPUs of the job")
-    p.add_argument("--seq-len", type=positive_int, default=d.seq_len, help="tokens per sample")
+    p.add_argument("--seq-len", type=positive_int, default=None, help="tokens per sample")
     p.add_argument("--global-batch", type=positive_int, default=None, help="samples per step")
     p.add_argument("--images", type=positive_int, default=d.images, help="images per sample")
     p.add_argument("--gpu", default=d.gpu, help="hardware profile: h100, h200, cpu")

@@ -74,3 +74,11 @@ def test_cli_table_json_and_errors(tmp_path, capsys, monkeypatch):
     err = capsys.readouterr().err
     assert done.value.code == 2 and err.strip().count("\n") == 0
     assert "unknown GPU profile 'tpu9'" in err
+
+
+def test_cli_plans_a_runnable_preset(capsys):
+    from experiments import plan as cli
+
+    out = cli.main(cli.parse_args(["--model", "tiny", "--gpus", "8", "--gpu", "cpu"]))
+    assert out["seq_len"] == 64 and out["images_per_sample"] == 1
+    assert out["best"]["mode"] in ("colocated", "non-colocated")
