@@ -92,5 +92,6 @@ def parse_args(argv: list[str]) -> CalibrateConfig:
 
 if __name__ == "__main__":
     from experiments.cli import run_cli
+    from experiments.plan import one_line
 
-    run_cli(lambda argv: main(parse_args(argv)) and 0, "calibrate")
+    run_cli(one_line(main, parse_args), "calibrate")

@@ -221,16 +221,10 @@ def parse_args(argv: list[str]) -> TableConfig:
 
 
 def cli(argv: list[str]) -> int:
-    """The command line: a bad setting raises ConfigError (one line)."""
-    from experiments.cli import ConfigError
+    """The command line: a bad setting gets one line."""
+    from experiments.plan import one_line
 
-    try:
-        main(parse_args(argv))
-    except ConfigError:
-        raise
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    return 0
+    return one_line(main, parse_args)(argv)
 
 
 if __name__ == "__main__":

@@ -219,17 +219,27 @@ def first_accepted(ests: list, accept):
     )
 
 
-def cli(argv: list[str]) -> int:
-    """The command line: a bad setting raises ConfigError (one line)."""
-    from experiments.cli import ConfigError
+def one_line(main_fn, parse_fn):
+    """``argv -> 0`` running ``main_fn(parse_fn(argv))``; a ValueError (the planner's
+    errors) becomes a ConfigError, which ``run_cli`` prints as one line."""
 
-    try:
-        main(parse_args(argv))
-    except ConfigError:
-        raise
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    return 0
+    def run(argv: list[str]) -> int:
+        from experiments.cli import ConfigError
+
+        try:
+            main_fn(parse_fn(argv))
+        except ConfigError:
+            raise
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        return 0
+
+    return run
+
+
+def cli(argv: list[str]) -> int:
+    """The command line (see :func:`one_line`)."""
+    return one_line(main, parse_args)(argv)
 
 
 if __name__ == "__main__":
