@@ -108,7 +108,7 @@ FLAGS: tuple[Flag, ...] = (
         "parallel.layouts",
         metavar="MODULE:LAYOUT",
         help="a module's degrees, e.g. vision:dp=8 or llm:dp=2,tp=2,pp=2 (repeatable; a "
-        "module without one gets the LLM's)",
+        "module without one gets the LLM's); auto: the planner chooses layouts and placement",
     ),
     Flag("--placement", "parallel.placement", core=("mode",), render=_placement),
     Flag(
@@ -200,7 +200,9 @@ def resolve(path: str | None, given: Mapping[str, Any]) -> hc.TrainConfig:
     the flags on the command line) on top, checked once."""
     data = hc.read(path) if path else {}
     for dotted, value in given.items():
-        if get_origin(_LEAVES[dotted].hint) is dict:
+        if dotted == "parallel.layouts" and list(value) == ["auto"]:
+            value = {"auto": "auto"}  # --layout auto: the planner picks (llava_train)
+        elif get_origin(_LEAVES[dotted].hint) is dict:
             kind = get_args(_LEAVES[dotted].hint)[1]
             value = (
                 hc.parse_weighted(value, path=dotted)

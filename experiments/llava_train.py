@@ -270,26 +270,55 @@ def _plan(config: TrainConfig, devices: Sequence[Any]) -> _Run:
         graph = model.train_graph(one, freeze=config.model.frozen)
         return _Run(model, dataset, seq_len, optimizer, None, text, graph)
     names = model.module_names
-    given = hc.module_layouts(p.layouts or default_layouts(names, n, p.mode), names)
-    if "llm" not in given:
-        raise ValueError("give the LLM's layout too, e.g. layouts={'llm': 'dp=2,tp=2,pp=2'}")
-    layouts = {name: given.get(name, given["llm"]) for name in names}
-    model.validate_layouts(layouts, seq_len=seq_len)
-    plan = hetjax.runtime.plan_run(
-        model.train_graph(layouts, freeze=config.model.frozen),
-        num_devices=n,
-        mode=p.mode,
-        islands=dict(p.islands) or None,
-        microbatches=p.microbatches,
-        schedule=p.schedule,
-        offload_encoders=p.offload_encoder,
-        global_batch=config.data.global_batch,
-    )
-    if p.mode == "homogeneous":  # the encoders' inherited layouts must fit them too
+
+    def planned(mode: str, texts: dict, islands, microbatches: int):
+        given = hc.module_layouts(texts, names)
+        if "llm" not in given:
+            raise ValueError("give the LLM's layout too, e.g. layouts={'llm': 'dp=2,tp=2,pp=2'}")
+        layouts = {name: given.get(name, given["llm"]) for name in names}
+        model.validate_layouts(layouts, seq_len=seq_len)
+        return hetjax.runtime.plan_run(
+            model.train_graph(layouts, freeze=config.model.frozen),
+            num_devices=n,
+            mode=mode,
+            islands=islands,
+            microbatches=microbatches,
+            schedule=p.schedule,
+            offload_encoders=p.offload_encoder,
+            global_batch=config.data.global_batch,
+        )
+
+    if p.layouts == {"auto": "auto"}:
+        plan = _auto_plan(config, preset, seq_len, devices, planned)
+    else:
+        texts = p.layouts or default_layouts(names, n, p.mode)
+        plan = planned(p.mode, texts, dict(p.islands) or None, p.microbatches)
+    if plan.mode == "homogeneous":  # the encoders' inherited layouts must fit them too
         model.validate_layouts({m.name: m.layout for m in plan.graph.modules if m.name != "llm"})
     shown = "; ".join(f"{m.name} {m.layout}" for m in plan.graph.modules)
-    text = f"{p.mode}: {shown}; schedule {plan.schedule.name}"
+    text = f"{plan.mode}: {shown}; schedule {plan.schedule.name}"
     return _Run(model, dataset, seq_len, optimizer, plan, text, plan.graph)
+
+
+def _auto_plan(config: TrainConfig, preset: Any, seq_len: int, devices, planned) -> Any:
+    """``--layout auto``: the planner's best plan that ``planned(mode, layouts, islands,
+    microbatches)`` (the checks of given layouts) accepts; printed."""
+    from experiments.plan import auto_plans, first_accepted, hetjax_workload
+
+    kind = devices[0].device_kind.lower()
+    gpu = "cpu" if devices[0].platform == "cpu" else ("h200" if "h200" in kind else "h100")
+    act_bytes = 2 if config.model.dtype == "bfloat16" else 4
+    work = hetjax_workload(config.data.global_batch, seq_len, act_bytes=act_bytes)
+    p = config.parallel
+    ests = auto_plans(
+        preset, len(devices), work, gpu=gpu, zero1=p.zero1, sequence_parallel=p.sequence_parallel
+    )
+    est, plan = first_accepted(ests, planned)
+    print(
+        f"--layout auto ({gpu} profile): {est.plan}; predicted {est.tokens_per_s:.0f} tokens/s, "
+        f"{est.peak_memory_bytes / 2**20:.0f} MiB per device"
+    )
+    return plan
 
 
 def _model_config(m: Any) -> Any:
@@ -462,7 +491,8 @@ def _stream(config: TrainConfig, run: _Run, resumed: dict[str, Any] | None, num_
         dp = {"llm": num_devices}
     else:
         dp = {m.name: m.layout.dp * m.layout.ep for m in run.graph.modules}
-    bins = (config.parallel.microbatches, dp.get("vision", dp["llm"]), dp["llm"])
+    microbatches = run.plan.microbatches if run.plan else config.parallel.microbatches
+    bins = (microbatches, dp.get("vision", dp["llm"]), dp["llm"])
     return llava_run.DataStream(run.dataset, bins, state)
 
 
@@ -514,7 +544,8 @@ def _hooks(
         "devices": f"{len(devices)} x {devices[0].platform}{over}",
         "layout": run.layout_text,
         "batch": f"{config.data.global_batch} samples x {run.seq_len} tokens, "
-        f"{config.parallel.microbatches} microbatch(es), {config.model.dtype}",
+        f"{run.plan.microbatches if run.plan else config.parallel.microbatches} microbatch(es), "
+        f"{config.model.dtype}",
         "data": _AtEnd(stream.summary),  # skip and truncation counts, read at the end
     }
     hooks.append(hetjax.Summary(summary))

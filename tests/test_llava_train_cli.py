@@ -8,16 +8,14 @@ exactly the one error line.
 """
 
 import json
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-TIMEOUT_S = 300
+from tests._cli import ROOT
+from tests._cli import check_ok as _check_ok
+from tests._cli import finish as _finish
+from tests._cli import start as _start
 
 METRIC_KEYS = {
     "step",
@@ -33,30 +31,6 @@ METRIC_KEYS = {
     "step_time_s",
     "tokens_per_s",
 }
-
-
-def _start(args, env_extra=None):
-    env = {**os.environ, **(env_extra or {})}
-    return subprocess.Popen(
-        [sys.executable, "-m", "experiments.llava_train", *args],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
-def _finish(procs):
-    out = {}
-    for name, proc in procs.items():
-        try:
-            stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            stdout, stderr = proc.communicate()
-        out[name] = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
-    return out
 
 
 RUNS = {
@@ -98,11 +72,6 @@ def runs(tmp_path_factory):
         text = path.read_text() if path.exists() else ""
         rows[name] = [json.loads(line) for line in text.splitlines()]
     return results, rows
-
-
-def _check_ok(result):
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "Traceback" not in result.stderr
 
 
 def test_tiny_run_writes_metrics_and_summary(runs):

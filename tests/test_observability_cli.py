@@ -13,7 +13,9 @@ import struct
 
 import pytest
 
-from tests.test_llava_train_cli import _check_ok, _finish, _start
+from tests._cli import check_ok as _check_ok
+from tests._cli import finish as _finish
+from tests._cli import start as _start
 
 STEPS = 5
 ARGS = ["--steps", str(STEPS), "--devices", "2", "--global-batch", "8"]

@@ -85,19 +85,30 @@ def run_training(
         for hook in hooks:
             hook.on_step(done, metrics)
 
-    for step in range(start, steps + 1):
-        current = (step, step_fn(step)) if step < steps else None
-        seen([item for item in (pending, current) if item is not None], time.perf_counter())
-        if pending is not None:
-            report(*pending)
-            pending = None
-        if current is not None:
-            if getattr(current[1], "on_host", False):
-                # Host metrics (a multi-process step syncs the host itself): report now,
-                # or this step's time would be measured after the next one.
-                report(*current)
-            else:
-                pending = current
+    try:
+        for step in range(start, steps + 1):
+            current = (step, step_fn(step)) if step < steps else None
+            seen([item for item in (pending, current) if item is not None], time.perf_counter())
+            if pending is not None:
+                done, pending = pending, None
+                report(*done)
+            if current is not None:
+                if getattr(current[1], "on_host", False):
+                    # Host metrics (a multi-process step syncs the host itself): report now,
+                    # or this step's time would be measured after the next one.
+                    report(*current)
+                else:
+                    pending = current
+    except BaseException as error:  # a failed step, a non-finite stop, Ctrl-C
+        if pending is not None and not isinstance(error, KeyboardInterrupt):
+            try:  # the step dispatched before the failing one may well have finished
+                report(*pending)
+            except Exception:  # noqa: BLE001 - the first error is the one to raise
+                pass
+        for hook in hooks:
+            if hasattr(hook, "on_error"):
+                hook.on_error(error)
+        raise
     for hook in hooks:
         hook.on_end(history)
     return history
@@ -169,6 +180,9 @@ class JsonlWriter(Observer):
     def on_end(self, history: Sequence[Mapping[str, float]]) -> None:
         self._file.close()
 
+    def on_error(self, error: BaseException) -> None:
+        self._file.close()  # every finished step is already written
+
 
 class ProgressBar(Observer):
     """Progress with ``rich``: step, loss, tokens/s and ETA.
@@ -224,6 +238,10 @@ class ProgressBar(Observer):
 
     def on_end(self, history: Sequence[Mapping[str, float]]) -> None:
         if self.live:
+            self.progress.stop()
+
+    def on_error(self, error: BaseException) -> None:
+        if self.live:  # give the terminal back (cursor shown, the bar's last state kept)
             self.progress.stop()
 
 

@@ -67,6 +67,10 @@ class Observer:
     def on_end(self, history: Sequence[Mapping[str, float]]) -> None:
         """The host loop finished."""
 
+    def on_error(self, error: BaseException) -> None:
+        """The host loop stopped with ``error`` (re-raised once every observer saw it):
+        release what ``on_end`` would (a live display, open files)."""
+
 
 def overrides(observer: Any, hook: str) -> bool:
     """Whether ``observer`` implements ``hook`` itself (not the base class no-op)."""

@@ -56,6 +56,9 @@ class TensorBoardWriter(Observer):
             self._writer.close()
             self._writer = None
 
+    def on_error(self, error: BaseException) -> None:
+        self.on_end([])  # flush the steps written so far
+
     def _layout(self, metrics: Mapping[str, float]) -> None:
         """Custom Scalars: one chart per per-module metric, every module's curve on it."""
         families = sorted({k.split("/", 1)[0] for k in metrics if "/" in k})

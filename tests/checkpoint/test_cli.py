@@ -28,16 +28,16 @@ import os
 import re
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-TIMEOUT_S = 300
+from tests._cli import finish as _finish
+from tests._cli import rows as _rows
+from tests._cli import start as _start
+
 STEPS = 8
 RUN = ["--steps", str(STEPS), "--global-batch", "16", "--microbatches", "2"]
 # A learning rate that makes tiny's step 2 (the first after the 1-step warm-up from 0)
@@ -57,34 +57,6 @@ OTHER_LAYOUT = [
 ]
 RESUMED = re.compile(r"resumed from step (\d+) \((.+)\)")
 ERROR = "llava_train: error: "
-
-
-def _start(args, env_extra=None):
-    return subprocess.Popen(
-        [sys.executable, "-m", "experiments.llava_train", *args],
-        cwd=ROOT,
-        env={**os.environ, **(env_extra or {})},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
-def _finish(procs):
-    out = {}
-    for name, proc in procs.items():
-        try:
-            stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            stdout, stderr = proc.communicate()
-        out[name] = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
-    return out
-
-
-def _rows(path: Path) -> list[dict]:
-    text = path.read_text() if path.exists() else ""
-    return [json.loads(line) for line in text.splitlines()]
 
 
 def _logged(path: Path) -> list[int]:

@@ -13,11 +13,7 @@ initialisers), so for those only the one-line contract is checked.
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import jax
 import pytest
@@ -31,9 +27,8 @@ from hetjax.meshes import place_modules
 from hetjax.schedules import ScheduleError
 from models.config import get_preset
 from models.mllm import MLLM
+from tests._cli import finish, start
 
-ROOT = Path(__file__).resolve().parents[2]
-CLI_TIMEOUT_S = 300
 USER_ERRORS = (LayoutError, BoundaryError, ScheduleError, InvalidConfigError)
 
 
@@ -330,28 +325,11 @@ CLI_CASES = {
 @pytest.fixture(scope="module")
 def cli_runs():
     """All CLI error cases, started together (independent processes), then awaited."""
-    procs = {}
-    for name, (flags, _, early) in CLI_CASES.items():
-        env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-        if early:
-            env["JAX_LOG_COMPILES"] = "1"
-        procs[name] = subprocess.Popen(
-            [sys.executable, "-m", "experiments.llava_train", "--steps", "2", *flags],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-    results = {}
-    for name, proc in procs.items():
-        try:
-            stdout, stderr = proc.communicate(timeout=CLI_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            stdout, stderr = proc.communicate()
-        results[name] = (proc.returncode, stdout, stderr)
-    return results
+    procs = {
+        name: start(["--steps", "2", *flags], {"JAX_LOG_COMPILES": "1"} if early else None)
+        for name, (flags, _, early) in CLI_CASES.items()
+    }
+    return {name: (r.returncode, r.stdout, r.stderr) for name, r in finish(procs).items()}
 
 
 @pytest.mark.parametrize("name", list(CLI_CASES))

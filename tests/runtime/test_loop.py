@@ -116,3 +116,19 @@ def test_blocking_dispatch_bills_every_step_its_own_time():
     times = [m["step_time_s"] for m in history]
     assert all(t > 0.02 for t in times), times
     assert sum(times) == pytest.approx(0.2, rel=0.5)
+
+
+def test_a_failing_step_releases_the_terminal_and_keeps_the_finished_rows(tmp_path):
+    out, path = Terminal(), tmp_path / "m.jsonl"
+    bar = ProgressBar(5, stream=out)
+
+    def step_fn(i):
+        if i == 3:
+            raise RuntimeError("device lost")
+        return {"loss": jnp.float32(5.0 - i)}
+
+    with pytest.raises(RuntimeError, match="device lost"):
+        run_training(step_fn, 5, tokens_per_step=100, hooks=[bar, JsonlWriter(str(path))])
+    assert not bar.progress.live.is_started  # the live display gave the terminal back
+    assert out.getvalue().endswith("\x1b[?25h")  # ... with the cursor shown again
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [0, 1, 2]

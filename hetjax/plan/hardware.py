@@ -1,0 +1,98 @@
+"""Hardware profiles as data: peak FLOP/s, memory, links and node size of one accelerator.
+
+The cost model (:mod:`hetjax.plan.cost`) reads only these numbers, so a new machine is a
+new :class:`HardwareProfile`, not new code. Bandwidths are per GPU and per direction:
+NVLink inside a node, the GPU's own InfiniBand NIC (8 x 400 Gb/s per node = 50 GB/s per
+GPU) across nodes.
+
+Efficiency is one saturating curve for every matmul: ``peak x matmul_efficiency x
+n / (n + matmul_knee)``, where ``n`` is the smallest per-GPU dimension of the layer's
+matmuls (the width a TP shard leaves). It is what makes a small encoder pay for the
+LLM's TP: its shards get thin, and thin matmuls run far below peak.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class HardwareProfile:
+    """One accelerator model and the machine it sits in."""
+
+    name: str  # short name for --gpu
+    peak_tflops: float  # dense BF16 (CPU: float32) TFLOP/s per device
+    hbm_gib: float  # device memory, GiB
+    hbm_tbps: float  # device memory bandwidth, TB/s
+    nvlink_gbps: float  # GB/s per direction per device inside a node
+    ib_gbps: float  # GB/s per direction per device across nodes
+    gpus_per_node: int  # devices sharing one NVLink domain
+    matmul_efficiency: float  # fraction of peak a large matmul reaches
+    matmul_knee: float  # per-device matmul width at which efficiency halves
+    comm_efficiency: float = 0.8  # fraction of link bandwidth a large collective reaches
+    latency_us: float = 10.0  # fixed cost per collective call, microseconds
+    reserved_gib: float = 6.0  # memory the runtime, NCCL buffers and fragmentation take
+
+    @property
+    def memory_bytes(self) -> float:
+        """Bytes a plan may use per device (``hbm_gib - reserved_gib``)."""
+        return (self.hbm_gib - self.reserved_gib) * 2**30
+
+    def matmul_tflops(self, width: float) -> float:
+        """Achieved TFLOP/s of matmuls whose smallest per-device dimension is ``width``."""
+        return self.peak_tflops * self.matmul_efficiency * width / (width + self.matmul_knee)
+
+    def link_gbps(self, crosses_nodes: bool) -> float:
+        """Achieved GB/s of a collective inside a node or across nodes."""
+        return (self.ib_gbps if crosses_nodes else self.nvlink_gbps) * self.comm_efficiency
+
+
+# H100 SXM 80GB: 989.4 dense BF16 TFLOP/s, 3.35 TB/s HBM3, NVLink 4 (450 GB/s per
+# direction), 8 x 400 Gb/s InfiniBand per node.
+H100 = HardwareProfile(
+    name="h100",
+    peak_tflops=989.4,
+    hbm_gib=80.0,
+    hbm_tbps=3.35,
+    nvlink_gbps=450.0,
+    ib_gbps=50.0,
+    gpus_per_node=8,
+    matmul_efficiency=0.70,
+    matmul_knee=96.0,
+)
+# H200 SXM 141GB: the H100's compute and links, more and faster HBM3e.
+H200 = dataclasses.replace(H100, name="h200", hbm_gib=141.0, hbm_tbps=4.8)
+# This machine's CPU as JAX's host platform, per simulated device (8 share 2 cores and
+# 23 GiB): the matmul curve fitted by `python -m experiments.calibrate` (R = 7.6 GFLOP/s
+# per device, knee 101, on a loaded machine; the worst point was 90% off the fit, so
+# treat CPU predictions as rough). Links: in-process copies.
+CPU = HardwareProfile(
+    name="cpu",
+    peak_tflops=0.0076,
+    hbm_gib=2.5,
+    hbm_tbps=0.005,
+    nvlink_gbps=2.0,
+    ib_gbps=2.0,
+    gpus_per_node=8,
+    matmul_efficiency=1.0,
+    matmul_knee=101.0,
+    comm_efficiency=1.0,
+    latency_us=50.0,
+    reserved_gib=0.0,
+)
+
+PROFILES: dict[str, HardwareProfile] = {p.name: p for p in (H100, H200, CPU)}
+
+
+def get_profile(name: str | HardwareProfile) -> HardwareProfile:
+    """The profile called ``name`` (a profile is returned as is).
+
+    Raises:
+        ValueError: unknown name; the message lists the known ones.
+    """
+    if isinstance(name, HardwareProfile):
+        return name
+    key = name.lower().strip()
+    if key not in PROFILES:
+        raise ValueError(f"unknown GPU profile {name!r}: choose one of {', '.join(PROFILES)}")
+    return PROFILES[key]

@@ -1,0 +1,100 @@
+"""Bytes per device of one pipeline stage: weights, gradients, optimizer, activations.
+
+Megatron's mixed-precision accounting, per parameter on a device: a BF16 copy (2 B), an
+FP32 gradient accumulator (4 B) and the FP32 master copy with Adam's two moments (12 B);
+ZeRO-1 shards the 12 B over the module's data-parallel ranks (context-parallel ranks hold
+the same parameters, so they share the shard too). TP divides everything.
+
+Activations follow the Korthikanti et al. count with flash attention (no score matrix)
+and sequence parallelism (every saved tensor split over TP), per token and layer in BF16:
+the two norm inputs and the two matmul inputs (4 D), queries, keys, values and the
+attention output (2 Q + 2 KV), and the MLP's hidden activations (gate, up, product for
+SwiGLU: 3 F; up and GELU for a plain MLP: 2 F). A GPT block (Q = KV = D, F = 4 D) gets
+32 D, close to the paper's 34 D. Full recompute keeps each layer's input (D) and one
+layer's activations for its backward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from .parts import ModuleShape
+
+Recompute = Literal["none", "full"]
+RECOMPUTE: tuple[str, ...] = ("none", "full")
+BF16, FP32 = 2, 4
+WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = BF16, FP32, 3 * FP32
+
+
+@dataclasses.dataclass(frozen=True)
+class StageMemory:
+    """Bytes per device of one stage."""
+
+    weights: float  # BF16 parameters
+    grads: float  # FP32 gradient accumulators
+    optimizer: float  # FP32 master copy + Adam moments (ZeRO-1: sharded)
+    activations: float  # saved for the backward, all live microbatches
+    transient: float  # the largest short-lived buffer (logits and their gradient)
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.grads + self.optimizer + self.activations + self.transient
+
+
+def activation_bytes_per_token(shape: ModuleShape, tp: int = 1, *, sp: bool = True) -> float:
+    """BF16 bytes one token leaves for the backward in one layer on one of ``tp`` ranks
+    (see the module doc); without sequence parallelism (``sp``) the 4 D of norm and
+    matmul inputs are replicated over TP."""
+    s = shape
+    split = 2 * s.q_width + 2 * s.kv_width + s.mlp_mats * s.mlp
+    return BF16 * ((4 * s.width + split) / tp if sp else 4 * s.width + split / tp)
+
+
+def stage_memory(
+    shape: ModuleShape,
+    *,
+    params: float,
+    layers: int,
+    tokens_per_microbatch: float,
+    live_microbatches: int,
+    tp: int,
+    shard: int,
+    recompute: Recompute,
+    sp: bool = True,
+    logits_vocab: int = 0,
+) -> StageMemory:
+    """Memory of one stage on one device.
+
+    Args:
+        shape: The module.
+        params: Parameters the stage holds (all TP ranks together).
+        layers: Blocks on the stage.
+        tokens_per_microbatch: Tokens one device's share of a microbatch holds inside the
+            blocks (after the CP split, before the TP split).
+        live_microbatches: Microbatches whose activations are stashed at the peak (the
+            schedule's ``max_live``).
+        tp: Tensor-parallel degree.
+        shard: Ranks the ZeRO-1 optimizer shard spans (1: no ZeRO-1).
+        recompute: ``"none"`` or ``"full"`` (activation checkpointing of every block).
+        sp: Sequence parallelism (saved activations split over TP).
+        logits_vocab: Vocabulary of the LM head on this stage (0: no head).
+
+    Returns:
+        The stage's :class:`StageMemory`.
+    """
+    local = params / tp
+    per_layer = tokens_per_microbatch * activation_bytes_per_token(shape, tp, sp=sp)
+    if recompute == "full":
+        kept = tokens_per_microbatch * shape.width * BF16 / (tp if sp else 1)  # block inputs
+        acts = live_microbatches * layers * kept + per_layer
+    else:
+        acts = live_microbatches * layers * per_layer
+    logits = 2 * tokens_per_microbatch * logits_vocab / tp * FP32
+    return StageMemory(
+        weights=local * WEIGHT_BYTES,
+        grads=local * GRAD_BYTES,
+        optimizer=local * OPTIMIZER_BYTES / shard,
+        activations=acts,
+        transient=logits,
+    )

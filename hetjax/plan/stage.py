@@ -1,0 +1,219 @@
+"""One module's pipeline stages priced: compute and communication time, memory, bytes.
+
+Per microbatch and stage: forward time is the stage's FLOPs on one device over the
+achieved matmul rate (:meth:`HardwareProfile.matmul_tflops` at the width a TP shard
+leaves), plus its exposed collectives: TP (two all-gathers and two reduce-scatters per
+block with sequence parallelism, two all-reduces without; the backward as many), the CP
+ring (``cp - 1`` key/value passes per block, hidden behind attention where attention is
+longer), MoE all-to-alls (dispatch and combine). Backward is twice the forward's compute
+(three times with full recompute, which also repeats the forward's collectives); its TP
+collectives are one per column-parallel input gradient. The DP
+gradient reduction (ZeRO-1: reduce-scatter of gradients, all-gather of parameters) runs
+once per step and overlaps only the last microbatch's backward, as Megatron's bucketed
+overlap does.
+
+``cp_redundant`` prices the homogeneous baseline's encoder under the LLM's CP: stock
+Megatron runs the encoder on every CP rank of a data lane (an image is not a sequence to
+split), so CP ranks repeat its work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+
+from hetjax.meshes.layout import Layout
+
+from .comm import collective_time, crosses_nodes
+from .hardware import HardwareProfile
+from .memory import BF16, FP32, OPTIMIZER_BYTES, Recompute, StageMemory, stage_memory
+from .parts import ModuleShape
+
+
+@dataclasses.dataclass(frozen=True)
+class ModulePlan:
+    """How one module trains: its degrees and its memory savers."""
+
+    layout: Layout  # dp, tp, cp, pp, ep
+    recompute: Recompute = "none"  # "full": every block's activations recomputed in backward
+    zero1: bool = False  # optimizer state sharded over the data-parallel (and cp) ranks
+    sequence_parallel: bool = True  # with tp > 1: activations between TP regions on sequence
+
+    def __str__(self) -> str:
+        degrees = [f"{k}={getattr(self.layout, k)}" for k in ("dp", "tp", "cp", "pp", "ep")]
+        on = (("zero1", self.zero1), ("recompute", self.recompute == "full"))
+        return ",".join([d for d in degrees if not d.endswith("=1")] + [k for k, v in on if v])
+
+
+@dataclasses.dataclass(frozen=True)
+class StageCost:
+    """One pipeline stage of one module, per device."""
+
+    module: str
+    index: int  # stage index in the module
+    devices: int  # devices of the stage (dp x tp x cp)
+    forward_s: float  # per microbatch
+    backward_s: float  # per microbatch
+    recv_s: float  # receiving one microbatch's activation from the previous stage
+    reduce_s: float  # the step's gradient reduction left exposed
+    optimizer_s: float  # the optimizer update (HBM bound)
+    memory: StageMemory
+    flops: float  # model forward FLOPs of one microbatch, all devices of the stage
+    comm: dict[str, float]  # per device per step: buffer bytes by collective kind
+    forward_comm: dict[str, float]  # ... of one microbatch's forward pass
+    backward_comm: dict[str, float]  # ... of one microbatch's backward pass (no recompute)
+    step_comm: dict[str, float]  # ... once per step (the DP gradient reduction)
+
+
+def module_stages(
+    shape: ModuleShape,
+    plan: ModulePlan,
+    *,
+    samples: float,
+    microbatches: int,
+    live: list[int],
+    hw: HardwareProfile,
+    act_bytes: int = BF16,
+    cp_redundant: bool = False,
+    vocab: int = 0,
+    fused_columns: bool = True,
+    replica_grads_per_microbatch: bool = False,
+) -> list[StageCost]:
+    """Costs of every pipeline stage of a module.
+
+    Args:
+        shape: The module (:mod:`hetjax.plan.parts`).
+        plan: Its layout and memory savers.
+        samples: Samples of one global microbatch (all data lanes together).
+        microbatches: Microbatches per step (M).
+        live: Per stage, microbatches whose activations are stashed at the peak.
+        hw: The hardware.
+        act_bytes: Bytes per activation element (BF16: 2, FP32: 4).
+        cp_redundant: CP ranks repeat the module's work (see the module doc).
+        vocab: Vocabulary of a vocabulary-parallel embedding (first stage) and LM head
+            (last stage); 0: none.
+        fused_columns: The backward all-reduces one input gradient per block region
+            (Megatron fuses QKV and gate/up); False: one per column-parallel matrix
+            (``shape.column_mats``), as XLA does for separate weights.
+        replica_grads_per_microbatch: Gradients of parameters replicated over the cp (and
+            ep) ranks are summed inside every microbatch's backward, as GSPMD does in
+            hetjax's stage programs, and only the dp ranks reduce once per step; False:
+            one reduction over dp x cp per step (Megatron).
+
+    Returns:
+        One :class:`StageCost` per stage.
+    """
+    lay = plan.layout
+    tp, cp, pp, dp, ep = lay.tp, lay.cp, lay.pp, lay.dp, lay.ep
+    split = 1 if cp_redundant else cp
+    lane = samples / dp  # samples per data lane per microbatch
+    tokens = lane * shape.tokens / split  # per device, inside the blocks
+    rate = hw.matmul_tflops(min(min(shape.width, shape.mlp) / tp, tokens)) * 1e12
+    layers = -(-shape.depth // pp)  # uneven splits priced as their largest stage
+    buf = tokens * shape.width * act_bytes  # one block's residual stream, per device
+    tp_x, cp_x = crosses_nodes(1, tp, hw), crosses_nodes(tp, cp, hw)
+    dp_x, pp_x = crosses_nodes(tp * cp, dp, hw), crosses_nodes(tp * cp * dp, 2, hw)
+    moe = shape.experts > 1 and ep > 1
+    out = []
+    for s in range(pp):
+        first, last = s == 0, s == pp - 1
+        per_lane = layers * shape.layer_flops + first * shape.first_flops + last * shape.last_flops
+        compute = lane * per_lane / (tp * split) / rate
+        # TP collectives per pass: two per block forward (after attention and MLP), the
+        # vocabulary-parallel embedding's on the first stage; backward one per input
+        # gradient of the column-parallel matmuls, the LM head's on the last stage.
+        head = vocab > 0
+        calls_f = 2 * layers + (first and head)
+        calls_b = (2 if fused_columns else shape.column_mats) * layers + (last and head)
+        kinds = ("all-gather", "reduce-scatter") if plan.sequence_parallel else ("all-reduce",)
+        tp_f = sum(collective_time(k, buf, tp, crosses=tp_x, hw=hw, calls=calls_f) for k in kinds)
+        tp_b = sum(collective_time(k, buf, tp, crosses=tp_x, hw=hw, calls=calls_b) for k in kinds)
+        kv = tokens * 2 * shape.kv_width / tp * act_bytes
+        ring = collective_time("p2p", kv, cp, crosses=cp_x, hw=hw, calls=(cp - 1) * layers)
+        if cp_redundant:
+            ring = 0.0
+        attention = lane * layers * shape.attention_flops / (tp * split) / rate
+        a2a_buf = tokens * shape.top_k * shape.width * act_bytes  # [E, C, D] buffers
+        ep_x = crosses_nodes(tp * cp, ep, hw)
+        a2a_calls = 2 * layers  # dispatch and combine per block
+        a2a = moe * collective_time("all-to-all", a2a_buf, ep, crosses=ep_x, hw=hw, calls=a2a_calls)
+        forward = compute + tp_f + max(0.0, ring - attention) + a2a
+        backward = 2 * compute + tp_b + max(0.0, 2 * ring - 2 * attention) + a2a
+        if plan.recompute == "full":
+            backward += forward
+        fwd_comm: dict[str, float] = defaultdict(float)
+        bwd_comm: dict[str, float] = defaultdict(float)
+        for kind in kinds if tp > 1 else ():
+            fwd_comm[kind] += calls_f * buf
+            bwd_comm[kind] += calls_b * buf
+        if shape.projector and last and tp > 1:  # its row-parallel output, column input
+            fwd_comm[kinds[0]] += tokens * shape.out_width * act_bytes
+            bwd_comm[kinds[0]] += buf
+        if cp > 1 and not cp_redundant:
+            fwd_comm["collective-permute"] += (cp - 1) * layers * kv
+            # K/V pass the ring again; the dK/dV accumulators travel all cp hops home.
+            bwd_comm["collective-permute"] += (2 * cp - 1) * layers * kv
+        if moe:
+            fwd_comm["all-to-all"] += a2a_calls * a2a_buf
+            bwd_comm["all-to-all"] += a2a_calls * a2a_buf
+        recv = 0.0
+        if not first:
+            act = buf / (tp if plan.sequence_parallel else 1)
+            recv = collective_time("p2p", act, 2, crosses=pp_x, hw=hw)
+        params = layers * shape.layer_params + first * shape.first_params + last * shape.last_params
+        experts = layers * shape.expert_params
+        params -= experts * (1 - 1 / ep)  # held: the dense part and 1 / ep of the experts
+        group = dp * cp
+        grads = params / tp * FP32
+        sync = 1 if cp_redundant else cp * (ep if moe else 1)
+        if replica_grads_per_microbatch and sync > 1:
+            dense = (params - experts / ep) / tp * FP32
+            backward += collective_time("all-reduce", dense, sync, crosses=cp_x, hw=hw)
+            bwd_comm["all-reduce"] += dense
+            group = dp // ep if moe else dp
+        if plan.zero1:
+            reduce = collective_time("reduce-scatter", grads, group, crosses=dp_x, hw=hw)
+            gather = params / tp * act_bytes  # the compute copy
+            reduce += collective_time("all-gather", gather, group, crosses=dp_x, hw=hw)
+        else:
+            reduce = collective_time("all-reduce", grads, group, crosses=dp_x, hw=hw)
+        step_comm = {"all-reduce": grads} if group > 1 else {}  # one FP32 all-reduce
+        if plan.zero1 and group > 1:
+            step_comm["all-gather"] = gather
+        forwards = 2 if plan.recompute == "full" else 1
+        comm = defaultdict(float, step_comm)
+        for kind in set(fwd_comm) | set(bwd_comm):
+            comm[kind] += microbatches * (forwards * fwd_comm[kind] + bwd_comm[kind])
+        shard = group if plan.zero1 else 1
+        mem = stage_memory(
+            shape,
+            params=params,
+            layers=layers,
+            tokens_per_microbatch=tokens,
+            live_microbatches=live[s],
+            tp=tp,
+            shard=shard,
+            recompute=plan.recompute,
+            sp=plan.sequence_parallel,
+            logits_vocab=vocab if last else 0,
+        )
+        touched = params / tp * (OPTIMIZER_BYTES / shard + FP32 + BF16) * 2  # read + write
+        out.append(
+            StageCost(
+                module=shape.name,
+                index=s,
+                devices=dp * tp * cp,
+                forward_s=forward,
+                backward_s=backward,
+                recv_s=recv,
+                reduce_s=max(0.0, reduce - backward),
+                optimizer_s=touched / (hw.hbm_tbps * 1e12),
+                memory=mem,
+                flops=samples * per_lane,
+                comm=dict(comm),
+                forward_comm=dict(fwd_comm),
+                backward_comm=dict(bwd_comm),
+                step_comm=step_comm,
+            )
+        )
+    return out

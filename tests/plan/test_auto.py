@@ -1,0 +1,42 @@
+"""``--layout auto``: the planner's plan for ``tiny`` on 8 devices trains with parity."""
+
+import jax
+
+from experiments.plan import auto_plans, first_accepted, hetjax_workload
+from models.config import get_preset
+from tests.runtime.parity import Case, check_matches_reference, reference
+
+GLOBAL_BATCH = 16
+
+
+def test_auto_plan_trains_tiny_like_the_reference():
+    cfg = get_preset("tiny")
+    work = hetjax_workload(GLOBAL_BATCH, cfg.seq_len, act_bytes=4)
+    ests = auto_plans(
+        cfg, len(jax.devices()), work, gpu="cpu", zero1=False, sequence_parallel=False
+    )
+    assert ests and all(e.fits for e in ests)
+    ref = reference("tiny", GLOBAL_BATCH)
+
+    def accept(mode, layouts, islands, microbatches):
+        case = Case("tiny", mode, tuple(layouts.items()), microbatches)
+        ref.model.validate_layouts(case.parsed, seq_len=cfg.seq_len)
+        return case
+
+    est, case = first_accepted(ests, accept)
+    assert est.plan.mode in ("colocated", "non-colocated")
+    check_matches_reference(case, ref)
+
+
+def test_layout_auto_flag_and_one_line_errors():
+    import subprocess
+    import sys
+
+    from experiments import flags
+
+    config = flags.parse_args(["--layout", "auto"], prog="llava_train")
+    assert config.parallel.layouts == {"auto": "auto"}
+    cmd = [sys.executable, "-m", "experiments.llava_train", "--layout", "auto", "--steps", "1"]
+    bad = subprocess.run(cmd + ["--model", "tiny-av"], capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0, bad.stderr
+    assert "plans one vision encoder" in bad.stderr

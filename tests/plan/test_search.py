@@ -1,0 +1,84 @@
+"""The planner and its CLI: best plans, pruning speed, one-line errors."""
+
+import json
+import sys
+
+import pytest
+
+from hetjax.plan import Workload
+from hetjax.plan.search import search
+from models.config import get_preset, paper_preset
+
+CFG = paper_preset("vit-3b", "llm-70b", 8192)
+
+
+def test_search_returns_feasible_best_plans():
+    r = search(CFG, 32, Workload(64, 8192, 4), "h100")
+    assert r.best.fits and r.homogeneous.fits
+    assert r.best.plan.heterogeneous and r.homogeneous.plan.mode == "homogeneous"
+    assert r.best.simulated and r.homogeneous.simulated
+    assert r.ranked[0] is r.best and all(
+        a.step_time_s <= b.step_time_s for a, b in zip(r.ranked, r.ranked[1:], strict=False)
+    )
+    assert r.gain_pct == pytest.approx(100 * (r.best.tokens_per_s / r.homogeneous.tokens_per_s - 1))
+    hom = r.homogeneous.plan
+    assert (hom.vision.layout.dp, hom.vision.layout.tp) == (hom.llm.layout.dp, hom.llm.layout.tp)
+    for e in r.ranked:
+        assert e.plan.num_gpus == 32
+
+
+def test_search_runnable_preset_on_simulated_devices():
+    r = search(get_preset("tiny"), 8, Workload(8, 64, 1, act_bytes=4), "cpu")
+    for e in (r.best, r.homogeneous):
+        assert e.plan.llm.layout.num_devices <= 8
+        assert 4 % e.plan.llm.layout.pp == 0  # executor needs even stages
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(num_gpus=0), "num_gpus=0 must be a positive int"),
+        (dict(num_gpus=12), "not a multiple of the h100 node size 8.*use 8 or 16"),
+        (dict(hw="a100"), "unknown GPU profile 'a100'"),
+    ],
+)
+def test_bad_input_one_line(kwargs, match):
+    args = dict(num_gpus=16, hw="h100") | kwargs
+    with pytest.raises(ValueError, match=match) as err:
+        search(CFG, args["num_gpus"], Workload(64, 8192, 4), args["hw"])
+    assert "\n" not in str(err.value)
+
+
+def test_too_big_says_how_far_over():
+    big = paper_preset("vit-12b", "llm-120b", 8192)
+    with pytest.raises(ValueError, match=r"fits no .* GiB over the 74.0 GiB limit") as err:
+        search(big, 8, Workload(16, 8192, 4), "h100")
+    assert "\n" not in str(err.value)
+
+
+def test_cli_table_json_and_errors(tmp_path, capsys, monkeypatch):
+    from experiments import plan as cli
+    from experiments.cli import run_cli
+
+    out = tmp_path / "p.json"
+    argv = ["--encoder", "vit-1b", "--llm", "llm-14b", "--gpus", "16", "--global-batch", "32"]
+    cli.main(cli.parse_args(argv + ["--json", str(out)]))
+    printed = capsys.readouterr().out
+    assert "predicted gain" in printed and "hom " in printed
+    data = json.loads(out.read_text())
+    assert data["best"]["mode"] in ("colocated", "non-colocated")
+    assert data["homogeneous"]["peak_memory_gib"] <= data["homogeneous"]["memory_limit_gib"]
+    monkeypatch.setattr(sys, "argv", ["plan", "--gpu", "tpu9"])
+    with pytest.raises(SystemExit) as done:
+        run_cli(cli.cli, "plan")
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and err.strip().count("\n") == 0
+    assert "unknown GPU profile 'tpu9'" in err
+
+
+def test_cli_plans_a_runnable_preset(capsys):
+    from experiments import plan as cli
+
+    out = cli.main(cli.parse_args(["--model", "tiny", "--gpus", "8", "--gpu", "cpu"]))
+    assert out["seq_len"] == 64 and out["images_per_sample"] == 1
+    assert out["best"]["mode"] in ("colocated", "non-colocated")
