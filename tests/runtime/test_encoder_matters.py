@@ -1,8 +1,15 @@
 """The answers need the image: training with real images beats training with blank ones.
 
 Without images the model can only learn the answer format (and the prior over colours and
-positions); with them it can drive the answer loss towards zero. On ``tiny`` the
-visual grounding sets in after ~100 steps of 32 samples, so this runs 200 steps.
+positions); with them it can answer from the image. On ``tiny`` the visual grounding sets
+in after ~100 steps of 32 samples, so this runs 200 steps.
+
+The check is held-out answer accuracy (a row counts when every supervised token is the
+greedy prediction), not a ratio of training losses: after 200 steps the real-image loss
+is still falling and its last steps' mean moves by ~10% between CPUs (XLA's rounding
+differs by instruction set, and 200 steps of training amplify it), which put a loss
+ratio of 3 on the edge (3.3 on one machine, 2.95 on another). Accuracy is ~0.78 against
+chance ~0.19 ((1/4 + 1/4 + 1/16) / 3 over the three tasks) on every machine tried.
 """
 
 import jax
@@ -12,14 +19,18 @@ import pytest
 from hetjax.runtime import OptimizerConfig, ReferenceTrainer, make_optimizer
 from models.config import get_preset
 from models.data import DataConfig, SyntheticLlava
+from models.llava.evaluate import answer_accuracy
 from models.mllm import MLLM
 
 STEPS = 200
 BATCH = 32
 TAIL = 20  # steps averaged at the end (single-step losses are noisy)
+HELD_OUT = 100_000  # first held-out sample index (training reads 0 .. STEPS * BATCH)
+CHANCE = (1 / 4 + 1 / 4 + 1 / 16) / 3  # colour, position, both: guessing from the prior
 
 
-def _train(blank_images: bool) -> np.ndarray:
+def _train(blank_images: bool) -> tuple[np.ndarray, dict[str, float]]:
+    """Training losses, and held-out accuracy with the real and with blanked images."""
     cfg = get_preset("tiny")
     model = MLLM(cfg)
     data_cfg = DataConfig.for_model(cfg, seq_len=cfg.seq_len, seed=0)
@@ -40,17 +51,25 @@ def _train(blank_images: bool) -> np.ndarray:
         if blank_images:
             batch["images"] = np.zeros_like(batch["images"])
         losses.append(trainer.step(batch)["loss"])
-    return np.asarray([float(x) for x in losses])
+    held = data.batch(HELD_OUT // 256, 256)
+    blanked = {**held, "images": np.zeros_like(held["images"])}
+    accuracy = {
+        "real": float(np.nanmean(answer_accuracy(model, trainer.params, held))),
+        "blank": float(np.nanmean(answer_accuracy(model, trainer.params, blanked))),
+    }
+    return np.asarray([float(x) for x in losses]), accuracy
 
 
 @pytest.mark.slow
-def test_real_images_reach_much_lower_loss_than_blank_images():
-    real, blank = _train(blank_images=False), _train(blank_images=True)
+def test_only_a_model_trained_on_the_images_answers_from_them():
+    (real, real_acc), (blank, blank_acc) = _train(blank_images=False), _train(blank_images=True)
     assert np.all(np.isfinite(real)) and np.all(np.isfinite(blank))
     # Both learn the format ...
     assert blank[-TAIL:].mean() < 0.1 * blank[0]
-    # ... but only the model that sees the images learns their content.
-    assert real[-TAIL:].mean() * 3 < blank[-TAIL:].mean(), (
-        real[-TAIL:].mean(),
-        blank[-TAIL:].mean(),
-    )
+    assert real[-TAIL:].mean() < blank[-TAIL:].mean()
+    # ... but only the model that sees the images learns their content: it answers most
+    # held-out questions, and falls to chance when its images are blanked ...
+    assert real_acc["real"] > 0.6, real_acc
+    assert real_acc["blank"] < 2 * CHANCE, real_acc
+    # ... while the model trained on blank images stays at chance whatever it is shown.
+    assert max(blank_acc.values()) < 2 * CHANCE, blank_acc
