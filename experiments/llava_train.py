@@ -256,8 +256,7 @@ def _plan(config: TrainConfig, devices: Sequence[Any]) -> _Run:
     )
     dtype = jnp.bfloat16 if config.model.dtype == "bfloat16" else jnp.float32
     # Packed rows (several samples each) attend within their samples only.
-    packed = bool(config.data.sources) and config.data.pack
-    model = MLLM(preset, dtype=dtype, images_per_row=images_per_row, packed=packed)
+    model = MLLM(preset, dtype=dtype, images_per_row=images_per_row, packed=config.data.pack)
     p, n = config.parallel, len(devices)
     if p.reference:
         hetjax.runtime.check_batch_split(config.data.global_batch, p.microbatches, n)
