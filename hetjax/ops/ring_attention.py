@@ -7,6 +7,9 @@ original positions of its tokens) to the next rank ``cp - 1`` times with
 float32 (running max, running denominator, rescaled accumulator). The causal mask comes
 from ``positions`` (the original index of every stored token), not from the storage order,
 so any permutation of the sequence works; the default one is the zigzag layout below.
+Packed rows (several samples per row) add ``segment_ids``: their blocks travel with the
+K/V blocks, a query sees only keys of its own segment, and ``positions`` are then the
+positions within each sample (their order within a segment is the original one).
 
 Why a ring and not an all-gather of K/V (``impl="allgather"``, also offered):
 
