@@ -111,15 +111,8 @@ def test_unpacked_model_refuses_packed_rows(batches, model_config, packed_refere
     [
         # Islands: vision dp=4 on 4 devices, the LLM's two pipeline stages with cp=2 each.
         case("tiny", "non-colocated", 2, id="islands-pp2-cp2", vision="dp=4", llm="cp=2,pp=2"),
-        case(
-            "tiny",
-            "colocated",
-            1,
-            id="colocated-cp2",
-            slow=True,
-            vision="dp=8",
-            llm="dp=2,cp=2,tp=2",
-        ),
+        # Colocated: the LLM's cp=2 with dp=2 and tp=2 (per-replica vmap of the ring).
+        case("tiny", "colocated", 1, id="colocated-cp2", vision="dp=8", llm="dp=2,cp=2,tp=2"),
     ],
 )
 def test_packed_batch_matches_reference(c, packed_reference):
