@@ -236,11 +236,6 @@ def _plan(config: TrainConfig, devices: Sequence[Any]) -> _Run:
     if config.data.sources:  # the validation pass over every record file, here
         from models.llava import run as llava_run
 
-        if config.data.pack:
-            raise ValueError(
-                "data.pack: the LLM does not mask attention between packed samples yet, so "
-                "training refuses it (experiments.bench_data measures packing)"
-            )
         dataset, preset = llava_run.build(
             config.data,
             preset,
@@ -260,7 +255,8 @@ def _plan(config: TrainConfig, devices: Sequence[Any]) -> _Run:
         clip_norm=o.clip_norm,
     )
     dtype = jnp.bfloat16 if config.model.dtype == "bfloat16" else jnp.float32
-    model = MLLM(preset, dtype=dtype, images_per_row=images_per_row)
+    # Packed rows (several samples each) attend within their samples only.
+    model = MLLM(preset, dtype=dtype, images_per_row=images_per_row, packed=config.data.pack)
     p, n = config.parallel, len(devices)
     if p.reference:
         hetjax.runtime.check_batch_split(config.data.global_batch, p.microbatches, n)

@@ -19,7 +19,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hetjax.ops import MoEFFN, attach_aux_loss, load_balance_loss_per_sample, ring_attention
+from hetjax.ops import (
+    MoEFFN,
+    attach_aux_loss,
+    causal_attention,
+    load_balance_loss_per_sample,
+    ring_attention,
+)
 from hetjax.ops import context as parallel
 from models.config import MoEConfig
 
@@ -96,16 +102,20 @@ def activation(name: str):
     return ACTIVATIONS[name]
 
 
-def rope_angles(positions_L: jax.Array, head_dim: int, theta: float) -> jax.Array:
-    """Rotation angles ``[L, K/2]``: ``pos * theta^(-2i/K)``."""
+def rope_angles(positions: jax.Array, head_dim: int, theta: float) -> jax.Array:
+    """Rotation angles ``[..., K/2]``: ``pos * theta^(-2i/K)`` for positions ``[...]``."""
     inv_freq = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
-    return positions_L.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    return positions.astype(jnp.float32)[..., None] * inv_freq
 
 
-def apply_rope(x_BxLxHxK: jax.Array, positions_L: jax.Array, theta: float) -> jax.Array:
-    """Llama RoPE (half-split convention): rotates pairs ``(x[i], x[i + K/2])``."""
+def apply_rope(x_BxLxHxK: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Llama RoPE (half-split convention): rotates pairs ``(x[i], x[i + K/2])``.
+
+    ``positions``: ``[L]`` (shared by the batch) or ``[B, L]`` (packed rows: per sample).
+    """
     k = x_BxLxHxK.shape[-1]
-    ang = rope_angles(positions_L, k, theta)[None, :, None, :]
+    ang = rope_angles(positions, k, theta)
+    ang = ang[None, :, None, :] if positions.ndim == 1 else ang[:, :, None, :]
     cos, sin = jnp.cos(ang), jnp.sin(ang)
     x = x_BxLxHxK.astype(jnp.float32)
     x1, x2 = x[..., : k // 2], x[..., k // 2 :]
@@ -231,7 +241,12 @@ class EncoderBlock(nnx.Module):
 
 
 class DecoderBlock(nnx.Module):
-    """Llama block: RMSNorm -> causal GQA with RoPE -> RMSNorm -> SwiGLU."""
+    """Llama block: RMSNorm -> causal GQA with RoPE -> RMSNorm -> SwiGLU.
+
+    Packed rows (several samples per row) pass ``segment_ids`` and ``positions`` ``[B, L]``
+    (stored like the tokens): attention stays within a segment and RoPE uses the
+    positions within each sample, so every sample computes what it would alone.
+    """
 
     def __init__(
         self,
@@ -261,24 +276,43 @@ class DecoderBlock(nnx.Module):
             self.up = Dense(width, mlp, axes=("embed", "mlp"), rngs=rngs, dtype=dtype)
             self.down = Dense(mlp, width, axes=("mlp", "embed"), rngs=rngs, dtype=dtype)
 
-    def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
+    def __call__(
+        self,
+        x_BxLxD: jax.Array,
+        *,
+        segment_ids: jax.Array | None = None,
+        positions: jax.Array | None = None,
+    ) -> jax.Array:
         b, l, _ = x_BxLxD.shape
         kd = self.head_dim
         ctx = parallel.current()
+        if (segment_ids is None) != (positions is None):
+            raise ValueError("DecoderBlock: packed rows need both segment_ids and positions")
         # Under context parallelism the sequence is stored load-balanced (permuted):
-        # RoPE and the causal mask use each element's ORIGINAL position.
-        positions_L = jnp.arange(l) if ctx is None else jnp.asarray(ctx.positions(l))
+        # RoPE and the causal mask use each element's ORIGINAL position. Packed rows'
+        # positions restart per sample; in a segment their order is the original one.
+        if positions is None:
+            positions = jnp.arange(l) if ctx is None else jnp.asarray(ctx.positions(l))
         h = parallel.enter_tensor_parallel(self.attn_norm(x_BxLxD))
         tp = parallel.tensor_parallel_activation  # heads (dim 2) stay split over tp
         q = tp(self.q(h).reshape(b, l, self.heads, kd), 2)
         k = tp(self.k(h).reshape(b, l, self.kv_heads, kd), 2)
         v = tp(self.v(h).reshape(b, l, self.kv_heads, kd), 2)
-        q = apply_rope(q, positions_L, self.rope_theta)
-        k = apply_rope(k, positions_L, self.rope_theta)
+        q = apply_rope(q, positions, self.rope_theta)
+        k = apply_rope(k, positions, self.rope_theta)
         if ctx is not None and ctx.cp > 1:
             a = ring_attention(
-                q, k, v, positions_L, mesh=ctx.mesh, batch_axes=ctx.batch_axes, zigzag=True
+                q,
+                k,
+                v,
+                positions,
+                mesh=ctx.mesh,
+                batch_axes=ctx.batch_axes,
+                zigzag=True,
+                segment_ids=segment_ids,
             )
+        elif segment_ids is not None:
+            a = causal_attention(q, k, v, positions, segment_ids=segment_ids)
         else:
             a = attention(q, k, v, causal=True)
         a = tp(a.reshape(b, l, self.heads * kd), 2)

@@ -31,6 +31,8 @@ MODALITIES = {
     "image": ("vision", "projector", "images"),
     "audio": ("audio", "audio_projector", "audio"),
 }
+# Packed rows' extra batch keys ``[B, L]`` (``models.llava.rows``), read by every LLM block.
+PACKED_KEYS = ("segment_ids", "positions")
 
 
 class MLLM:
@@ -42,13 +44,24 @@ class MLLM:
         images_per_row: image slots per sample (row); above 1 the batch's ``images`` are
             ``[B, K, H, W, C]`` and row ``b``'s ``k``-th placeholder run takes image ``k``.
             Parameters do not depend on it.
+        packed: rows hold several samples: batches carry ``segment_ids`` and
+            ``positions`` (:data:`PACKED_KEYS`), and the LLM attends within a sample only,
+            with RoPE positions restarting per sample. Parameters do not depend on it.
     """
 
-    def __init__(self, config: MLLMConfig, dtype: Any = jnp.float32, images_per_row: int = 1):
+    def __init__(
+        self,
+        config: MLLMConfig,
+        dtype: Any = jnp.float32,
+        images_per_row: int = 1,
+        *,
+        packed: bool = False,
+    ):
         if config.shape_only:
             raise ValueError(f"preset {config.name!r} is shape-only (planning); not runnable")
         self.config = config
         self.images_per_row = images_per_row
+        self.packed = packed
         self.modules: dict[str, StagedModule] = {}
         placeholders = {}
         for modality, (enc_name, proj_name, _) in MODALITIES.items():
@@ -102,8 +115,27 @@ class MLLM:
         """Summed cross-entropy over the supervised tokens of ``batch``."""
         llm = self.modules["llm"]
         h = llm.apply_pre(params["llm"]["pre"], batch["tokens"], **self.encode(params, batch))
-        h = llm.apply_blocks(params["llm"]["blocks"], h)
+        h = llm.apply_blocks(params["llm"]["blocks"], h, **self.block_inputs(batch))
         return llm.apply_post(params["llm"]["post"], h, batch["targets"], batch["loss_mask"])
+
+    def block_inputs(self, batch: Mapping[str, Any]) -> dict[str, Any]:
+        """The batch keys every LLM block reads: :data:`PACKED_KEYS` when packed.
+
+        Raises:
+            ValueError: a packed model's batch lacks them, or an unpacked one's has them
+                (its attention would cross the samples of a row).
+        """
+        given = [k for k in PACKED_KEYS if k in batch]
+        if self.packed and len(given) < len(PACKED_KEYS):
+            raise ValueError(
+                f"a packed model's batches need {list(PACKED_KEYS)}; got {sorted(batch)}"
+            )
+        if not self.packed and given:
+            raise ValueError(
+                f"the batch has {given} (packed rows) but the model is not packed; build "
+                "it with MLLM(..., packed=True)"
+            )
+        return {k: batch[k] for k in PACKED_KEYS} if self.packed else {}
 
     def module_parts(self) -> dict[str, tuple[str, ...]]:
         """Module name -> its part names (an encoder and its projector; the LLM)."""
@@ -141,6 +173,7 @@ class MLLM:
                 )
             )
             links.append(Link(enc_name, "llm", modality))
+        packed = PACKED_KEYS if self.packed else ()
         modules.append(
             ModuleSpec(
                 "llm",
@@ -148,7 +181,8 @@ class MLLM:
                 layout=layouts["llm"],
                 inputs=("tokens",),
                 loss_inputs=("targets", "loss_mask"),
-                seq_inputs=("tokens", "targets", "loss_mask"),
+                block_inputs=packed,
+                seq_inputs=("tokens", "targets", "loss_mask", *packed),
                 token_slots=tuple(
                     (link.name, "tokens", self.placeholder(link.name)) for link in links
                 ),

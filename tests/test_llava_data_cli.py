@@ -1,10 +1,10 @@
 """``python -m experiments.llava_train --data ...`` end to end on a small LLaVA-format set
 (Pillow images, a trained BPE tokenizer, text-only, multi-image and multi-turn records,
-plus a file of bad records): the loss falls, ``--skip-bad-samples`` counts every reason
-in the run summary, the data metrics are logged, and a run stopped and resumed from its
-checkpoint sees exactly the batches an uninterrupted run would (recomputed here, in
-process, from the same resolved config). Bad input without the flag stops with one line
-before anything compiles."""
+plus a file of bad records), packed (``--pack``): the loss falls, ``--skip-bad-samples``
+counts every reason in the run summary, the data metrics are logged, and a run stopped
+and resumed from its checkpoint sees exactly the batches an uninterrupted run would
+(recomputed here, in process, from the same resolved config). Bad input without the flag
+stops with one line before anything compiles."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def argv(llava_dir, tmp_path_factory):  # noqa: F811
         *("--data", f"{llava_dir['train']}:0.8", "--data", f"{bad}:0.2"),
         *("--image-folder", llava_dir["images"], "--tokenizer", llava_dir["tokenizer"]),
         *("--seq-len", "96", "--global-batch", "16", "--microbatches", "2", "--steps", "8"),
-        *("--reference", "--balance", "--skip-bad-samples", "--lr", "3e-3"),
+        *("--reference", "--pack", "--balance", "--skip-bad-samples", "--lr", "3e-3"),
         *("--checkpoint-dir", str(tmp / "ckpt"), "--metrics", str(tmp / "m.jsonl")),
     ]
 

@@ -7,6 +7,9 @@ original positions of its tokens) to the next rank ``cp - 1`` times with
 float32 (running max, running denominator, rescaled accumulator). The causal mask comes
 from ``positions`` (the original index of every stored token), not from the storage order,
 so any permutation of the sequence works; the default one is the zigzag layout below.
+Packed rows (several samples per row) add ``segment_ids``: their blocks travel with the
+K/V blocks, a query sees only keys of its own segment, and ``positions`` are then the
+positions within each sample (their order within a segment is the original one).
 
 Why a ring and not an all-gather of K/V (``impl="allgather"``, also offered):
 
@@ -54,6 +57,7 @@ from hetjax.ops.ring_kernels import (
     _ring_backward_kernel,
     _ring_forward_kernel,
     causal_attention,
+    tag,
 )
 
 __all__ = [
@@ -95,6 +99,7 @@ def ring_attention(
     impl: Impl = "ring",
     zigzag: bool = False,
     causal: bool = True,
+    segment_ids: jax.Array | None = None,
 ) -> jax.Array:
     """GQA attention with the sequence sharded over the ``cp_axis`` of ``mesh``.
 
@@ -119,9 +124,16 @@ def ring_attention(
         impl: ``"ring"`` (ppermute K/V ``cp - 1`` times; ``O(L/cp)`` memory) or
             ``"allgather"`` (one all-gather of K/V; ``O(L)`` memory, lower latency).
         zigzag: ring only: skip the causally hidden half of each off-diagonal block.
-            Only valid when every row of ``positions`` is ``zigzag_permutation(L, cp)``.
+            Only valid when every row of ``positions`` is ``zigzag_permutation(L, cp)``,
+            or, with ``segment_ids``, the zigzag storage of packed rows (positions restart
+            per segment; segments are contiguous runs of the original order), whose
+            visible keys are a subset of the zigzag ones.
         causal: False for bidirectional attention (encoders): every key is visible,
             so the sequence may be split in plain contiguous order.
+        segment_ids: ``[B, L]`` sample id of every stored token of packed rows (stored
+            like the tokens), or None: a query then sees only keys of its own segment,
+            and ``positions`` are the tokens' positions within their samples. Their
+            blocks travel the ring with the K/V blocks.
 
     Returns:
         ``[B, L, H, K]`` attention output, in the dtype of ``q``, sharded like ``q``.
@@ -148,9 +160,18 @@ def ring_attention(
             f"ring_attention: positions has shape {positions.shape}; expected ({seq},) or"
             f" ({b}, {seq})"
         )
+    if segment_ids is not None:
+        if not causal:
+            raise ValueError("ring_attention: segment_ids need causal=True")
+        segment_ids = jnp.asarray(segment_ids, jnp.int32)
+        if segment_ids.shape != (b, seq):
+            raise ValueError(
+                f"ring_attention: segment_ids has shape {segment_ids.shape}; expected ({b}, {seq})"
+            )
+        positions = jnp.broadcast_to(positions, (b, seq))
     cp = 1 if mesh is None or cp_axis not in mesh.axis_names else int(mesh.shape[cp_axis])
     if cp == 1:
-        return causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, positions)
+        return causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, positions, segment_ids=segment_ids)
 
     batch_axes = tuple(batch_axes or ())
     _check_axes(mesh, (*batch_axes, head_axis), "batch/head")
@@ -180,7 +201,10 @@ def ring_attention(
     x_spec = PartitionSpec(batch, cp_axis, head_axis, None)
     lse_spec = PartitionSpec(batch, cp_axis, head_axis)
     pos_spec = PartitionSpec(cp_axis) if positions.ndim == 1 else PartitionSpec(batch, cp_axis)
+    if segment_ids is not None:  # segment ids are split like the (per-row) positions
+        pos_spec = (pos_spec, pos_spec)
     in_specs = (x_spec, x_spec, x_spec, pos_spec, pos_spec)
+    positions = tag(positions, segment_ids)
 
     if impl == "allgather":
         fn = jax.shard_map(
@@ -222,7 +246,7 @@ def ring_attention(
     def ring_bwd(res, dout):
         q, k, v, pos, out, lse = res
         dq, dk, dv = bwd(q, k, v, pos, pos, out, lse, dout)
-        return dq, dk, dv, None
+        return dq, dk, dv, jax.tree.map(lambda _: None, pos)
 
     ring.defvjp(ring_fwd, ring_bwd)
     return ring(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, positions)

@@ -13,6 +13,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
+# A token's mask tag: its position ``[L]``/``[B, L]``, or for packed rows the pair
+# ``(positions, segment_ids)``; K/V blocks travel the ring with their keys' tags.
+Tag = jax.Array | tuple[jax.Array, jax.Array]
+
 # -- single-device maths ----------------------------------------------------------------
 
 
@@ -21,17 +25,31 @@ def _batched_positions(pos: jax.Array) -> jax.Array:
     return pos[None] if pos.ndim == 1 else pos
 
 
-def _mask_bx1x1xlxs(qpos: jax.Array, kpos: jax.Array) -> jax.Array:
-    q, k = _batched_positions(qpos), _batched_positions(kpos)
-    return q[:, None, None, :, None] >= k[:, None, None, None, :]
+def _mask_bx1x1xlxs(qtag: Tag, ktag: Tag) -> jax.Array:
+    """Which keys each query sees: ``q_pos >= k_pos``, and for packed rows (a tag
+    ``(positions, segment_ids)``) only keys of the query's own segment."""
+    if not isinstance(qtag, tuple):
+        q, k = _batched_positions(qtag), _batched_positions(ktag)
+        return q[:, None, None, :, None] >= k[:, None, None, None, :]
+    (qpos, qseg), (kpos, kseg) = qtag, ktag
+    qs, ks = _batched_positions(qseg), _batched_positions(kseg)
+    same = qs[:, None, None, :, None] == ks[:, None, None, None, :]
+    return _mask_bx1x1xlxs(qpos, kpos) & same
+
+
+def tag(positions: jax.Array, segment_ids: jax.Array | None) -> Tag:
+    """What the mask reads per token: its position, or ``(position, segment id)``."""
+    return positions if segment_ids is None else (positions, segment_ids)
 
 
 def causal_attention(
     q_BxLxHxK: jax.Array,
     k_BxSxGxK: jax.Array,
     v_BxSxGxK: jax.Array,
-    q_positions: jax.Array,
-    k_positions: jax.Array | None = None,
+    q_positions: Tag,
+    k_positions: Tag | None = None,
+    *,
+    segment_ids: jax.Array | None = None,
 ) -> jax.Array:
     """Causal GQA attention with the mask taken from positions (``q_pos >= k_pos``).
 
@@ -40,12 +58,16 @@ def causal_attention(
 
     Args:
         q_BxLxHxK: queries. k_BxSxGxK, v_BxSxGxK: keys and values, ``G`` divides ``H``.
-        q_positions: ``[L]`` or ``[B, L]`` original positions of the queries.
+        q_positions: ``[L]`` or ``[B, L]`` original positions of the queries (or their
+            :func:`tag`, ``(positions, segment_ids)``).
         k_positions: the same for the keys; defaults to ``q_positions``.
+        segment_ids: ``[B, L]`` packed rows' sample ids (queries and keys alike): a query
+            sees only keys of its own segment. Positions then restart per segment.
 
     Returns:
         ``[B, L, H, K]`` in the dtype of ``q``.
     """
+    q_positions = tag(q_positions, segment_ids)
     k_positions = q_positions if k_positions is None else k_positions
     b, l, h, d = q_BxLxHxK.shape
     g = k_BxSxGxK.shape[2]
@@ -102,7 +124,10 @@ def _halves(x, axis):
     return jax.lax.slice_in_dim(x, 0, n, axis=axis), jax.lax.slice_in_dim(x, n, 2 * n, axis=axis)
 
 
-def _pos_halves(pos):
+def _pos_halves(pos: Tag) -> tuple[Tag, Tag]:
+    if isinstance(pos, tuple):
+        (p_lo, p_hi), (s_lo, s_hi) = (_pos_halves(p) for p in pos)
+        return (p_lo, s_lo), (p_hi, s_hi)
     return _halves(pos, pos.ndim - 1)
 
 
@@ -260,5 +285,7 @@ def _ring_backward_kernel(q, k, v, qpos, kpos, out, lse, dout, *, axis: str, cp:
 def _allgather_kernel(q, k, v, qpos, kpos, *, axis: str):
     k_all = jax.lax.all_gather(k, axis, axis=1, tiled=True)
     v_all = jax.lax.all_gather(v, axis, axis=1, tiled=True)
-    kpos_all = jax.lax.all_gather(kpos, axis, axis=kpos.ndim - 1, tiled=True)
+    kpos_all = jax.tree.map(
+        lambda p: jax.lax.all_gather(p, axis, axis=p.ndim - 1, tiled=True), kpos
+    )
     return causal_attention(q, k_all, v_all, qpos, kpos_all)

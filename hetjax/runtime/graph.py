@@ -46,6 +46,8 @@ class ModuleSpec:
     layout: Layout  # this module's dp / tp / cp / pp / ep
     inputs: tuple[str, ...] = ()  # batch keys passed positionally to parts[0].pre
     loss_inputs: tuple[str, ...] = ()  # batch keys passed to the sink's post after h
+    block_inputs: tuple[str, ...] = ()  # batch keys passed by name to parts[0]'s blocks on
+    # every pipeline stage (packed rows' segment_ids and positions)
     seq_inputs: tuple[str, ...] = ()  # batch keys with a sequence axis (dim 1): with cp > 1
     # they are stored load-balanced (zigzag) and split over cp, like the activations. A
     # module with cp > 1 and no sequence inputs (an encoder inheriting the LLM's CP, as in

@@ -289,6 +289,7 @@ class StageProgram:
                 start=start,
                 stop=stop,
                 carry_sharding=self._carry_sharding(h, batch_axes=self.batch_axes(per_replica)),
+                **{k: batch[k] for k in self.spec.block_inputs},
             )
         if not self.last:
             return h
@@ -332,7 +333,7 @@ class StageProgram:
 
     @property
     def batch_keys(self) -> tuple[str, ...]:
-        keys = self.spec.inputs if self.first else ()
+        keys = (self.spec.inputs if self.first else ()) + self.spec.block_inputs
         return keys + (self.spec.loss_inputs if self.last and self.is_sink else ())
 
     # -- programs -----------------------------------------------------------------------

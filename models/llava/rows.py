@@ -80,6 +80,9 @@ class Packer:
             loads[row] = (min(at, c - 1), slot)
         out = {"tokens": ids[:, :-1], "targets": ids[:, 1:], "loss_mask": sup[:, 1:]}
         if self.pack:
+            # A sample's last input token would predict the next sample's first: never
+            # supervised, as when it ends its own row (its target is padding).
+            out["loss_mask"] = sup[:, 1:] * (segments[:, 1:] == segments[:, :-1])
             out.update(segment_ids=segments[:, :-1], positions=positions[:, :-1])
         if images is not None:
             out["images"] = images[:, 0] if k == 1 else images

@@ -202,6 +202,67 @@ def test_same_positions_same_result_without_mesh():
     np.testing.assert_allclose(got, causal_attention(qs, ks, vs, pos), rtol=RTOL, atol=ATOL)
 
 
+def packed_rows(lengths: list[list[int]], seq: int) -> tuple[np.ndarray, np.ndarray]:
+    """``segment_ids`` (1, 2, ... per sample, 0 padding) and per-sample ``positions``."""
+    seg = np.zeros((len(lengths), seq), np.int32)
+    pos = np.zeros_like(seg)
+    for row, ns in enumerate(lengths):
+        at = 0
+        for s, n in enumerate(ns, start=1):
+            seg[row, at : at + n], pos[row, at : at + n] = s, np.arange(n)
+            at += n
+    return seg, pos
+
+
+@pytest.mark.parametrize(
+    "layout, impl, zigzag",
+    [
+        (dict(cp=4), "ring", True),
+        (dict(dp=2, cp=2, tp=2), "ring", False),
+        (dict(cp=2), "allgather", False),
+    ],
+    ids=str,
+)
+def test_packed_rows_attend_within_their_samples(layout, impl, zigzag):
+    """``segment_ids``: each sample of a packed row (stored zigzag) gets the attention it
+    would get alone; padding (segment 0) is never seen by a sample."""
+    q, k, v = qkv(seed=12)
+    seg, pos = packed_rows([[5, 7, 2], [9, 3, 4]], q.shape[1])  # row 0 ends in padding
+
+    def alone(q, k, v):
+        out = jnp.zeros_like(q)
+        for row in range(q.shape[0]):
+            for s in set(seg[row].tolist()) - {0}:
+                idx = np.flatnonzero(seg[row] == s)
+                a = attention(q[row, idx][None], k[row, idx][None], v[row, idx][None], causal=True)
+                out = out.at[row, idx].set(a[0])
+        return out
+
+    real = jnp.asarray(seg > 0)[:, :, None, None]
+    perm = zigzag_permutation(q.shape[1], layout["cp"])
+    inv = inverse_permutation(perm)
+    mesh = stage_mesh(**layout)
+
+    def ring(q, k, v):
+        out = ring_attention(
+            *(x[:, perm] for x in (q, k, v)),
+            jnp.asarray(pos[:, perm]),
+            segment_ids=jnp.asarray(seg[:, perm]),
+            mesh=mesh,
+            batch_axes=("dp",),
+            impl=impl,
+            zigzag=zigzag,
+        )
+        return jnp.where(real, out[:, inv], 0.0)
+
+    single = lambda q, k, v: jnp.where(
+        real, causal_attention(q, k, v, jnp.asarray(pos), segment_ids=jnp.asarray(seg)), 0.0
+    )
+    want = value_and_grads(alone)(q, k, v)
+    assert_matches_reference(single, q, k, v, want)
+    assert_matches_reference(ring, q, k, v, want)
+
+
 def test_inside_scanned_layers_on_a_full_module_mesh():
     """As a model uses it: a jitted grad through a scan over stacked layers, on a module's
     full ``("pp", "dp", "ep", "cp", "tp")`` mesh (inputs replicated over ``pp``)."""
