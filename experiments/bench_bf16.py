@@ -1,0 +1,219 @@
+"""bf16 parity: heterogeneous vs homogeneous loss curves, and the gradient reduction dtype.
+
+    python -m experiments.bench_bf16 --json out.json [--steps 200] [--quick]
+
+Trains the ``tiny`` preset in bfloat16 compute (parameters, gradients' accumulators and
+optimizer state float32: ``MLLM(dtype=jnp.bfloat16)``, what ``llava_train --dtype
+bfloat16`` builds) on 8 simulated CPU devices, three runs over the same data:
+
+- ``hetero``: colocated, vision ``dp=8``, LLM ``dp=2,tp=2,pp=2`` (the CLI's default);
+- ``homo``: the same graph with ``mode="homogeneous"`` (the encoder inherits the LLM's
+  layout on its first pipeline stage);
+- ``homo_seed1``: ``homo`` with a different parameter-initialisation seed (1 instead of
+  0; the data are the same), the yardstick of run-to-run variation.
+
+bf16 rounds differently under different layouts (tensor-parallel partial sums, other
+fusion), so the curves cannot match bit for bit; the claim is that the layout changes
+the curve less than a seed does. Keys of the one JSON row:
+
+- ``losses``: per run, the loss of every step;
+- ``ma_diff_hetero_vs_homo``, ``ma_diff_seed0_vs_seed1``: mean absolute difference of the
+  two runs' ``MA_WINDOW``-step moving averages (``overlap``: the first <= the second);
+- ``grad_dtypes``: from the compiled HLO of the LLM's first stage of the ``hetero`` run:
+  the element types of the ``bwd`` program's accumulator outputs (``bwd_accumulators``),
+  of its matmul outputs (``bwd_dots``), of its collectives (``bwd_collectives``: the
+  tensor-parallel ones, bf16 activations), and of the ``reduce`` program's collectives
+  that cross data-parallel replicas (``reduce_dp_collectives``: the once-per-step
+  gradient reduction, Megatron's ``accumulate_allreduce_grads_in_fp32``);
+  ``fp32_accumulation``: the accumulators and the reduction are all ``f32``.
+- ``step_time_s``: median wall time of a step, per run.
+
+``--quick`` (for the test): 2 devices, vision and LLM ``dp=2``, ``--steps``
+defaults to 11, and the overlap goal is not checked.
+Exits non-zero when (full run) the curves do not overlap or the accumulation is not f32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+DEVICES = 8
+GLOBAL_BATCH = 16
+MICROBATCHES = 2
+MA_WINDOW = 10
+LAYOUTS = {"vision": "dp=8", "llm": "dp=2,tp=2,pp=2"}
+# --quick: fewer devices and no pipeline, so fewer and smaller programs to compile
+QUICK_DEVICES, QUICK_LAYOUTS = 2, {"vision": "dp=2", "llm": "dp=2"}
+RUNS = (("hetero", "colocated", 0), ("homo", "homogeneous", 0), ("homo_seed1", "homogeneous", 1))
+PROBE = ("llm", 0)  # the stage whose programs' dtypes are read
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+    json: str | None = None  # where to write the row (a JSON list of one); None: print only
+    quick: bool = False  # 2 devices, few steps, no overlap goal (for the test)
+    steps: int | None = None  # steps per run; None: 200 (11 with --quick)
+
+
+def moving_average(xs: list[float], window: int) -> list[float]:
+    """Trailing means over ``window`` values (the first ``window - 1`` points left out)."""
+    return [sum(xs[i - window : i]) / window for i in range(window, len(xs) + 1)]
+
+
+def ma_diff(a: list[float], b: list[float], window: int = MA_WINDOW) -> float:
+    """Mean absolute difference of the two curves' moving averages."""
+    ma, mb = moving_average(a, window), moving_average(b, window)
+    return sum(abs(x - y) for x, y in zip(ma, mb, strict=True)) / len(ma)
+
+
+def grad_dtypes(ex: Any, rec: Any) -> dict[str, list[str]]:
+    """Element types of the probe stage's gradient path, from its compiled programs."""
+    import jax
+
+    from hetjax.inspect import collectives, varied_axes
+    from hetjax.inspect.hlo import dot_output_dtypes
+
+    mesh = ex.programs[PROBE].mesh
+    bwd, reduce = rec.compiled[(PROBE, "bwd")], rec.compiled[(PROBE, "reduce")]
+    acc = jax.tree.leaves(bwd.out_info[0])
+
+    def dtypes(compiled, dp_only=False) -> list[str]:
+        found = set()
+        for c in collectives(compiled.as_text(), mesh.size):
+            if not dp_only or "dp" in varied_axes(c, mesh):
+                found.update(c.dtypes)
+        return sorted(found)
+
+    return {
+        "bwd_accumulators": sorted({str(a.dtype) for a in acc}),
+        "bwd_dots": sorted(dot_output_dtypes(bwd.as_text())),
+        "bwd_collectives": dtypes(bwd),
+        "reduce_dp_collectives": dtypes(reduce, dp_only=True),
+    }
+
+
+def train(mode: str, seed: int, work: dict, steps: int, rec: Any = None) -> tuple[list, list, Any]:
+    """Losses, step times and the executor of one run."""
+    import jax
+
+    import hetjax
+
+    model, data = work["model"], work["data"]
+    layouts = {k: hetjax.Layout.parse(v, module=k) for k, v in work["layouts"].items()}
+    ex = hetjax.Executor(
+        model.train_graph(layouts),
+        model.init(jax.random.key(seed)),
+        devices=work["devices"],
+        mode=mode,
+        microbatches=MICROBATCHES,
+        optimizer=hetjax.OptimizerConfig(total_steps=steps, warmup_steps=max(1, steps // 10)),
+        observers=[rec] if rec is not None else [],
+    )
+    losses, times, previous = [], [], None
+    for s in range(steps):
+        t0 = time.perf_counter()
+        metrics = ex.step(data.batch(s, GLOBAL_BATCH))
+        if previous is not None:  # read step s-1's metrics after dispatching step s
+            losses.append(previous["loss"])
+        previous = metrics
+        times.append(time.perf_counter() - t0)
+    losses.append(previous["loss"])
+    return losses, times, ex
+
+
+def main(config: BenchConfig) -> list[dict]:
+    """Runs the three trainings, prints a summary, writes JSON, checks the goal."""
+    from experiments.cli import ConfigError, finish_rows, setup_devices, share_compiles
+
+    steps = config.steps or (MA_WINDOW + 1 if config.quick else 200)
+    if steps <= MA_WINDOW:
+        raise ConfigError(f"--steps must exceed the moving-average window {MA_WINDOW}")
+    devices = setup_devices(QUICK_DEVICES if config.quick else DEVICES)  # before JAX starts
+    import jax.numpy as jnp
+
+    from hetjax.inspect import Recorder
+    from models.config import get_preset
+    from models.data import DataConfig, SyntheticLlava
+    from models.mllm import MLLM
+
+    cfg = get_preset("tiny")
+    cache = share_compiles("bench_bf16_")  # the second homogeneous run loads the first's
+    layouts = QUICK_LAYOUTS if config.quick else LAYOUTS
+    work = {
+        "devices": devices,
+        "layouts": layouts,
+        "model": MLLM(cfg, dtype=jnp.bfloat16),
+        "data": SyntheticLlava(DataConfig.for_model(cfg, seq_len=cfg.seq_len, seed=0)),
+    }
+    losses, times, dtypes = {}, {}, {}
+    t0 = time.perf_counter()
+    for name, mode, seed in RUNS:
+        rec = Recorder() if name == "hetero" else None
+        losses[name], ts, ex = train(mode, seed, work, steps, rec)
+        times[name] = statistics.median(ts[1:])
+        if rec is not None:
+            dtypes = grad_dtypes(ex, rec)
+        print(f"  trained {name} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
+    cache.cleanup()
+    layout_diff = ma_diff(losses["hetero"], losses["homo"])
+    seed_diff = ma_diff(losses["homo"], losses["homo_seed1"])
+    fp32 = dtypes["bwd_accumulators"] == ["float32"] and dtypes["reduce_dp_collectives"] == ["f32"]
+    row = {
+        "preset": "tiny",
+        "dtype": "bfloat16",
+        "steps": steps,
+        "layouts": layouts,
+        "seed_varied": "parameter initialisation (data identical)",
+        "ma_window": MA_WINDOW,
+        "ma_diff_hetero_vs_homo": layout_diff,
+        "ma_diff_seed0_vs_seed1": seed_diff,
+        "overlap": layout_diff <= seed_diff,
+        "final_loss": {k: v[-1] for k, v in losses.items()},
+        "grad_dtypes": dtypes,
+        "fp32_accumulation": fp32,
+        "step_time_s": times,
+        "losses": losses,
+    }
+    print(f"{'curves':<28} {'MA-10 mean |diff|':>18}")
+    print(f"{'hetero vs homo':<28} {layout_diff:18.5f}")
+    print(f"{'homo seed 0 vs seed 1':<28} {seed_diff:18.5f}")
+    print(f"overlap (layout <= seed): {row['overlap']}")
+    print("final loss: " + ", ".join(f"{k} {v:.4f}" for k, v in row["final_loss"].items()))
+    for k, v in dtypes.items():
+        print(f"{k:<24} {', '.join(v) or '-'}")
+    violations = []
+    if not config.quick and not row["overlap"]:
+        violations.append(
+            f"hetero vs homo differ by {layout_diff:.5f}, more than two seeds ({seed_diff:.5f})"
+        )
+    if not fp32:
+        violations.append(f"gradient accumulation or reduction is not float32: {dtypes}")
+    finish_rows([row], config.json, violations, "goal missed")
+    return [row]
+
+
+def parse_args(argv: list[str]) -> BenchConfig:
+    from experiments.cli import OneLineParser, positive_int
+
+    p = OneLineParser(prog="bench_bf16", description=__doc__.splitlines()[0])
+    p.add_argument("--json", default=None, help="write the row as a JSON list")
+    p.add_argument("--quick", action="store_true", help="few steps, no goal (for the test)")
+    p.add_argument("--steps", type=positive_int, default=None, help="steps per run")
+    return BenchConfig(**vars(p.parse_args(argv)))
+
+
+if __name__ == "__main__":
+    from experiments.cli import run_cli
+
+    def _run(argv: list[str]) -> int:
+        main(parse_args(argv))
+        return 0
+
+    run_cli(_run, "bench_bf16")
