@@ -95,6 +95,7 @@ def ring_attention(
     impl: Impl = "ring",
     zigzag: bool = False,
     causal: bool = True,
+    dense_at_cp1: bool = True,
 ) -> jax.Array:
     """GQA attention with the sequence sharded over the ``cp_axis`` of ``mesh``.
 
@@ -122,6 +123,10 @@ def ring_attention(
             Only valid when every row of ``positions`` is ``zigzag_permutation(L, cp)``.
         causal: False for bidirectional attention (encoders): every key is visible,
             so the sequence may be split in plain contiguous order.
+        dense_at_cp1: with ``cp == 1``, run :func:`causal_attention` (the default);
+            False runs ``impl``'s per-rank kernel on the one rank anyway - the ring's
+            online-softmax block with its custom backward, or the all-gather's dense
+            maths - to time the kernels themselves on one device.
 
     Returns:
         ``[B, L, H, K]`` attention output, in the dtype of ``q``, sharded like ``q``.
@@ -149,7 +154,7 @@ def ring_attention(
             f" ({b}, {seq})"
         )
     cp = 1 if mesh is None or cp_axis not in mesh.axis_names else int(mesh.shape[cp_axis])
-    if cp == 1:
+    if cp == 1 and (dense_at_cp1 or mesh is None or cp_axis not in mesh.axis_names):
         return causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, positions)
 
     batch_axes = tuple(batch_axes or ())
