@@ -9,8 +9,12 @@ bfloat16`` builds) on 8 simulated CPU devices, three runs over the same data:
 - ``hetero``: colocated, vision ``dp=8``, LLM ``dp=2,tp=2,pp=2`` (the CLI's default);
 - ``homo``: the same graph with ``mode="homogeneous"`` (the encoder inherits the LLM's
   layout on its first pipeline stage);
-- ``homo_seed1``: ``homo`` with a different parameter-initialisation seed (1 instead of
-  0; the data are the same), the yardstick of run-to-run variation.
+- ``homo_seed1``: ``homo`` with seed 1 instead of 0, the yardstick of run-to-run
+  variation: by default the parameter-initialisation seed (the data are the same);
+  ``--seed-kind data``: the data seed (the same initial parameters).
+
+``--dtype float32`` runs the same comparison in float32 (how much of the layout's
+difference is bf16's and how much 200 steps of float reordering amplify).
 
 bf16 rounds differently under different layouts (tensor-parallel partial sums, other
 fusion), so the curves cannot match bit for bit; the claim is that the layout changes
@@ -60,6 +64,8 @@ class BenchConfig:
     json: str | None = None  # where to write the row (a JSON list of one); None: print only
     quick: bool = False  # 2 devices, few steps, no overlap goal (for the test)
     steps: int | None = None  # steps per run; None: 200 (11 with --quick)
+    dtype: str = "bfloat16"  # compute dtype: bfloat16 or float32
+    seed_kind: str = "init"  # what homo_seed1 varies: init (parameters) or data
 
 
 def moving_average(xs: list[float], window: int) -> list[float]:
@@ -100,12 +106,15 @@ def grad_dtypes(ex: Any, rec: Any) -> dict[str, list[str]]:
 
 
 def train(mode: str, seed: int, work: dict, steps: int, rec: Any = None) -> tuple[list, list, Any]:
-    """Losses, step times and the executor of one run."""
+    """Losses, step times and the executor of one run (``seed`` goes to what
+    ``work["seed_kind"]`` names, the other seed is 0)."""
     import jax
 
     import hetjax
 
-    model, data = work["model"], work["data"]
+    model = work["model"]
+    data = work["data"][seed if work["seed_kind"] == "data" else 0]
+    seed = 0 if work["seed_kind"] == "data" else seed
     layouts = {k: hetjax.Layout.parse(v, module=k) for k, v in work["layouts"].items()}
     ex = hetjax.Executor(
         model.train_graph(layouts),
@@ -149,8 +158,11 @@ def main(config: BenchConfig) -> list[dict]:
     work = {
         "devices": devices,
         "layouts": layouts,
-        "model": MLLM(cfg, dtype=jnp.bfloat16),
-        "data": SyntheticLlava(DataConfig.for_model(cfg, seq_len=cfg.seq_len, seed=0)),
+        "model": MLLM(cfg, dtype=getattr(jnp, config.dtype)),
+        "data": [
+            SyntheticLlava(DataConfig.for_model(cfg, seq_len=cfg.seq_len, seed=s)) for s in (0, 1)
+        ],
+        "seed_kind": config.seed_kind,
     }
     losses, times, dtypes = {}, {}, {}
     t0 = time.perf_counter()
@@ -167,10 +179,13 @@ def main(config: BenchConfig) -> list[dict]:
     fp32 = dtypes["bwd_accumulators"] == ["float32"] and dtypes["reduce_dp_collectives"] == ["f32"]
     row = {
         "preset": "tiny",
-        "dtype": "bfloat16",
+        "dtype": config.dtype,
         "steps": steps,
         "layouts": layouts,
-        "seed_varied": "parameter initialisation (data identical)",
+        "seed_varied": {
+            "init": "parameter initialisation (data identical)",
+            "data": "data (initial parameters identical)",
+        }[config.seed_kind],
         "ma_window": MA_WINDOW,
         "ma_diff_hetero_vs_homo": layout_diff,
         "ma_diff_seed0_vs_seed1": seed_diff,
@@ -206,6 +221,10 @@ def parse_args(argv: list[str]) -> BenchConfig:
     p.add_argument("--json", default=None, help="write the row as a JSON list")
     p.add_argument("--quick", action="store_true", help="few steps, no goal (for the test)")
     p.add_argument("--steps", type=positive_int, default=None, help="steps per run")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    p.add_argument(
+        "--seed-kind", choices=("init", "data"), default="init", help="what the 2nd seed varies"
+    )
     return BenchConfig(**vars(p.parse_args(argv)))
 
 
