@@ -85,6 +85,7 @@ class CheckConfig:
     smoke: bool = False  # tiny sizes on CPU devices (for the test)
     peak_tflops: float | None = None  # dense BF16 TFLOP/s per device; None: from the table
     gpu_flags: bool = True  # apply hetjax.gpu_flags() (not in --smoke)
+    seq_len: int | None = None  # the LLM's sequence length; None: 8192 (smoke: 64)
 
 
 # -- models ---------------------------------------------------------------------------------
@@ -378,6 +379,8 @@ def main(config: CheckConfig) -> dict:
     from hetjax.runtime import flops
 
     sizes = SMOKE if config.smoke else FULL
+    if config.seq_len:
+        sizes = dataclasses.replace(sizes, seq_len=config.seq_len)
     kind = devices[0].device_kind
     peak = config.peak_tflops or flops.peak_tflops(kind)
     report: dict[str, Any] = {
@@ -410,7 +413,7 @@ def main(config: CheckConfig) -> dict:
 
 
 def parse_args(argv: list[str]) -> CheckConfig:
-    from experiments.cli import OneLineParser, positive_float
+    from experiments.cli import OneLineParser, positive_float, positive_int
 
     p = OneLineParser(prog="gpu_check", description=__doc__.splitlines()[0])
     p.add_argument("--json", default=None, help="write the report as a JSON object")
@@ -419,6 +422,9 @@ def parse_args(argv: list[str]) -> CheckConfig:
         "--peak-tflops", type=positive_float, default=None, help="dense BF16 TFLOP/s per device"
     )
     p.add_argument("--no-gpu-flags", dest="gpu_flags", action="store_false")
+    p.add_argument(
+        "--seq-len", type=positive_int, default=None, help="LLM sequence (e.g. 4096 if 8192 OOMs)"
+    )
     return CheckConfig(**vars(p.parse_args(argv)))
 
 
