@@ -13,6 +13,8 @@ bfloat16`` builds) on 8 simulated CPU devices, three runs over the same data:
   variation: by default the parameter-initialisation seed (the data are the same);
   ``--seed-kind data``: the data seed (the same initial parameters).
 
+``--seeds N`` adds homogeneous runs with seeds 2 .. N-1 (``ma_diff_seed0_vs_seeds``, and
+``overlap_vs_mean_of_seeds`` against their mean): one seed pair is a noisy yardstick.
 ``--dtype float32`` runs the same comparison in float32 (how much of the layout's
 difference is bf16's and how much 200 steps of float reordering amplify).
 
@@ -66,6 +68,7 @@ class BenchConfig:
     steps: int | None = None  # steps per run; None: 200 (11 with --quick)
     dtype: str = "bfloat16"  # compute dtype: bfloat16 or float32
     seed_kind: str = "init"  # what homo_seed1 varies: init (parameters) or data
+    seeds: int = 2  # homogeneous runs with seeds 0 .. seeds-1 (above 2: more seed pairs)
 
 
 def moving_average(xs: list[float], window: int) -> list[float]:
@@ -144,6 +147,8 @@ def main(config: BenchConfig) -> list[dict]:
     steps = config.steps or (MA_WINDOW + 1 if config.quick else 200)
     if steps <= MA_WINDOW:
         raise ConfigError(f"--steps must exceed the moving-average window {MA_WINDOW}")
+    if config.seeds < 2:
+        raise ConfigError("--seeds must be at least 2 (two seeds to compare)")
     devices = setup_devices(QUICK_DEVICES if config.quick else DEVICES)  # before JAX starts
     import jax.numpy as jnp
 
@@ -160,13 +165,15 @@ def main(config: BenchConfig) -> list[dict]:
         "layouts": layouts,
         "model": MLLM(cfg, dtype=getattr(jnp, config.dtype)),
         "data": [
-            SyntheticLlava(DataConfig.for_model(cfg, seq_len=cfg.seq_len, seed=s)) for s in (0, 1)
+            SyntheticLlava(DataConfig.for_model(cfg, seq_len=cfg.seq_len, seed=s))
+            for s in range(config.seeds)
         ],
         "seed_kind": config.seed_kind,
     }
     losses, times, dtypes = {}, {}, {}
     t0 = time.perf_counter()
-    for name, mode, seed in RUNS:
+    extra = tuple((f"homo_seed{s}", "homogeneous", s) for s in range(2, config.seeds))
+    for name, mode, seed in RUNS + extra:
         rec = Recorder() if name == "hetero" else None
         losses[name], ts, ex = train(mode, seed, work, steps, rec)
         times[name] = statistics.median(ts[1:])
@@ -176,6 +183,7 @@ def main(config: BenchConfig) -> list[dict]:
     cache.cleanup()
     layout_diff = ma_diff(losses["hetero"], losses["homo"])
     seed_diff = ma_diff(losses["homo"], losses["homo_seed1"])
+    pairs = [ma_diff(losses["homo"], losses[f"homo_seed{s}"]) for s in range(1, config.seeds)]
     fp32 = dtypes["bwd_accumulators"] == ["float32"] and dtypes["reduce_dp_collectives"] == ["f32"]
     row = {
         "preset": "tiny",
@@ -190,6 +198,8 @@ def main(config: BenchConfig) -> list[dict]:
         "ma_diff_hetero_vs_homo": layout_diff,
         "ma_diff_seed0_vs_seed1": seed_diff,
         "overlap": layout_diff <= seed_diff,
+        "ma_diff_seed0_vs_seeds": pairs,  # seed 0 vs seed 1, 2, ... (--seeds)
+        "overlap_vs_mean_of_seeds": layout_diff <= sum(pairs) / len(pairs),
         "final_loss": {k: v[-1] for k, v in losses.items()},
         "grad_dtypes": dtypes,
         "fp32_accumulation": fp32,
@@ -199,6 +209,8 @@ def main(config: BenchConfig) -> list[dict]:
     print(f"{'curves':<28} {'MA-10 mean |diff|':>18}")
     print(f"{'hetero vs homo':<28} {layout_diff:18.5f}")
     print(f"{'homo seed 0 vs seed 1':<28} {seed_diff:18.5f}")
+    for s, d in enumerate(pairs[1:], start=2):
+        print(f"{f'homo seed 0 vs seed {s}':<28} {d:18.5f}")
     print(f"overlap (layout <= seed): {row['overlap']}")
     print("final loss: " + ", ".join(f"{k} {v:.4f}" for k, v in row["final_loss"].items()))
     for k, v in dtypes.items():
@@ -222,6 +234,7 @@ def parse_args(argv: list[str]) -> BenchConfig:
     p.add_argument("--quick", action="store_true", help="few steps, no goal (for the test)")
     p.add_argument("--steps", type=positive_int, default=None, help="steps per run")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    p.add_argument("--seeds", type=positive_int, default=2, help="homogeneous seeds (>= 2)")
     p.add_argument(
         "--seed-kind", choices=("init", "data"), default="init", help="what the 2nd seed varies"
     )
