@@ -12,7 +12,8 @@ reports ``{"error": ...}`` and the others still run.
   128256, embedding and head included) at sequence 8192, batch 1, bfloat16 compute
   (parameters float32), one device, one microbatch. Per recompute policy: ``full``
   (today's backward, which replays the forward) and ``none`` when the executor takes a
-  ``recompute`` argument (else ``{"available": false}``). Timed with the executor's
+  ``recompute`` policy, as an argument or a ``ParallelOptions`` field (else ``{"available":
+  false}``). Timed with the executor's
   ``profile=True`` step (each program waited for); ``mfu`` counts model FLOPs (the 3x
   rule, :func:`hetjax.runtime.flops.model_flops`), ``hfu`` the matmul FLOPs the compiled
   programs execute (recompute included; :func:`hetjax.inspect.hlo.matmul_flops`).
@@ -114,16 +115,21 @@ def vit_model(sizes: Sizes) -> Any:
 
 
 def recompute_support() -> str | None:
-    """The name of the executor's recompute argument, if it has one."""
+    """Where the recompute policy goes, if anywhere: ``"executor"`` (an ``Executor``
+    argument ``recompute``) or ``"options"`` (a ``ParallelOptions`` field)."""
     import hetjax
 
-    params = inspect.signature(hetjax.Executor).parameters
-    return "recompute" if "recompute" in params else None
+    if "recompute" in inspect.signature(hetjax.Executor).parameters:
+        return "executor"
+    if "recompute" in {f.name for f in dataclasses.fields(hetjax.ParallelOptions)}:
+        return "options"
+    return None
 
 
 def build_executor(cfg: Any, devices: list, policy: str | None, observers: list) -> tuple:
-    """(model, graph, one-device executor) of ``cfg`` (bf16 compute), with ``policy`` if the
-    executor takes one (first as one value for all modules, else per module)."""
+    """(model, graph, one-device executor) of ``cfg`` (bf16 compute), with recompute
+    ``policy`` where the executor takes one (:func:`recompute_support`; first as one value
+    for all modules, else per module)."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -141,13 +147,22 @@ def build_executor(cfg: Any, devices: list, policy: str | None, observers: list)
         observers=observers,
     )
     params = model.init(jax.random.key(0))
-    if policy is None:
-        return model, graph, hetjax.Executor(graph, params, **kwargs)
-    try:
-        return model, graph, hetjax.Executor(graph, params, recompute=policy, **kwargs)
+    where = recompute_support() if policy is not None else None
+
+    def build(value):
+        extra = {}
+        if where == "executor":
+            extra = {"recompute": value}
+        elif where == "options":
+            extra = {"options": hetjax.ParallelOptions(recompute=value)}
+        return hetjax.Executor(graph, params, **kwargs, **extra)
+
+    try:  # one policy for every module, else a policy per module
+        return model, graph, build(policy)
     except (TypeError, ValueError):
-        per_module = {m: policy for m in model.module_names}
-        return model, graph, hetjax.Executor(graph, params, recompute=per_module, **kwargs)
+        if where is None:
+            raise
+        return model, graph, build({m: policy for m in model.module_names})
 
 
 def stage_row(cfg: Any, module: str, batch_size: int, devices: list, policy: str | None, peak):
