@@ -185,11 +185,12 @@ def stage_row(cfg: Any, module: str, batch_size: int, devices: list, policy: str
     rec.pause()
     with CompileCounter() as compiles:
         jax.block_until_ready(ex.step(data.batch(1, batch_size)))
-    times = []
     key = (module, STAGE)
     for s in range(2):  # the second profiled step is the one reported
-        ex.step(data.batch(2 + s, batch_size), profile=True)
-        times = {k: ts[-1] for (k, st), ts in ex.op_times.items() if st == key}
+        batch = data.batch(2 + s, batch_size)
+        # Wait for the update too, so the next step's programs start on an idle device.
+        jax.block_until_ready((ex.step(batch, profile=True), ex.state))
+    times = {kind: ts[-1] for (kind, st), ts in ex.op_times.items() if st == key}
     stage_s = sum(times.values())
     forward = model.config.forward_flops(batch_size, cfg.seq_len, int(batch["loss_mask"].sum()))
     model_f = flops.model_flops(graph, forward)[module]
