@@ -3,7 +3,9 @@
     python -m experiments.gpu_check --json out.json [--peak-tflops 989] [--smoke]
 
 Built to finish within 5 minutes on one H100/H200; ``--smoke`` runs the same code at
-tiny sizes on (simulated) CPU devices in seconds, which is what the test covers. Each
+tiny sizes on (simulated) CPU devices, which is what the test covers: one layer per
+module, sequence 48, batch 1, and one executor whose two stages are both the LLM and the
+ViT rows (the full run builds one per row); its model also serves the collectives check. Each
 section below is one key of the JSON object; a section that fails (e.g. out of memory)
 reports ``{"error": ...}`` and the others still run.
 
@@ -74,10 +76,16 @@ class Sizes:
     vit: str  # "clip-l-336" or "tiny"
     vit_batch: int
     attention_reps: int
+    vit_layers: int | None = None  # None: the encoder's own depth
+    # One executor of one model measures both stages (the LLM model's encoder is the ViT
+    # under test, at the LLM's batch), and the collectives check trains that model too.
+    shared: bool = False
 
 
 FULL = Sizes("llm-14b", 4, 8192, 1, "clip-l-336", 16, 5)
-SMOKE = Sizes("tiny", 2, 64, 2, "tiny", 2, 2)
+# The smallest shapes the checks allow (seq 48: the synthetic samples' longest is 48
+# inputs): compiling, not running, is the smoke run's cost.
+SMOKE = Sizes("tiny", 1, 48, 1, "tiny", 1, 1, vit_layers=1, shared=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +107,10 @@ def llm_model(sizes: Sizes) -> Any:
     tiny = PRESETS["tiny"]
     base = tiny.llm if sizes.llm_width_of == "tiny" else PAPER_LLMS[sizes.llm_width_of]
     llm = dataclasses.replace(base, depth=sizes.llm_layers)
-    return MLLMConfig("gpu-check-llm", llm=llm, vision=tiny.vision, seq_len=sizes.seq_len)
+    vision = tiny.vision
+    if sizes.shared and sizes.vit_layers is not None:
+        vision = dataclasses.replace(vision, depth=sizes.vit_layers)
+    return MLLMConfig("gpu-check-llm", llm=llm, vision=vision, seq_len=sizes.seq_len)
 
 
 def vit_model(sizes: Sizes) -> Any:
@@ -108,6 +119,8 @@ def vit_model(sizes: Sizes) -> Any:
 
     tiny = PRESETS["tiny"]
     vit = tiny.vision if sizes.vit == "tiny" else PRESETS["llava-1.5-7b"].vision
+    if sizes.vit_layers is not None:
+        vit = dataclasses.replace(vit, depth=sizes.vit_layers)
     return MLLMConfig("gpu-check-vit", llm=tiny.llm, vision=vit, seq_len=vit.num_tokens + 64)
 
 
@@ -165,8 +178,9 @@ def build_executor(cfg: Any, devices: list, policy: str | None, observers: list)
         return model, graph, build({m: policy for m in model.module_names})
 
 
-def stage_row(cfg: Any, module: str, batch_size: int, devices: list, policy: str | None, peak):
-    """MFU, HFU and times of ``module``'s stage under recompute ``policy``."""
+def stage_rows(cfg: Any, modules: tuple, batch_size: int, devices: list, policy: str | None, peak):
+    """Per module of ``modules``: MFU, HFU and times of its stage under recompute
+    ``policy``, all from one executor's steps."""
     import jax
 
     from experiments.bench_bf16 import grad_dtypes
@@ -185,37 +199,42 @@ def stage_row(cfg: Any, module: str, batch_size: int, devices: list, policy: str
     rec.pause()
     with CompileCounter() as compiles:
         jax.block_until_ready(ex.step(data.batch(1, batch_size)))
-    key = (module, STAGE)
     for s in range(2):  # the second profiled step is the one reported
         batch = data.batch(2 + s, batch_size)
         # Wait for the update too, so the next step's programs start on an idle device.
         jax.block_until_ready((ex.step(batch, profile=True), ex.state))
-    times = {kind: ts[-1] for (kind, st), ts in ex.op_times.items() if st == key}
-    stage_s = sum(times.values())
     forward = model.config.forward_flops(batch_size, cfg.seq_len, int(batch["loss_mask"].sum()))
-    model_f = flops.model_flops(graph, forward)[module]
-    hw = sum(
-        matmul_flops(rec.compiled[(key, kind)].as_text()) * n
-        for (k, kind), n in rec.calls.items()
-        if k == key and kind in ("fwd", "bwd")
-    )
-    row = {
-        "policy": policy or "full",
-        "stage_time_s": stage_s,
-        "op_time_s": times,
-        "model_tflops": model_f / 1e12,
-        "hardware_tflops": hw / 1e12,
-        "tflops_per_s": model_f / 1e12 / stage_s,
-        "mfu": model_f / 1e12 / stage_s / peak if peak else None,
-        "hfu": hw / 1e12 / stage_s / peak if peak else None,
-        "compile_and_first_step_s": compile_s,
-        "recompiles_after_step_1": compiles.count,
-        "recompiled": compiles.names,
-    }
-    if module == "llm":
-        row["grad_dtypes"] = grad_dtypes(ex, rec)
-        row["inflight_guard"] = inflight_guard(ex, devices)
-    return row
+    model_flops = flops.model_flops(graph, forward)
+    rows = {}
+    for module in modules:
+        key = (module, STAGE)
+        times = {kind: ts[-1] for (kind, st), ts in ex.op_times.items() if st == key}
+        stage_s = sum(times.values())
+        model_f = model_flops[module]
+        hw = sum(
+            matmul_flops(rec.compiled[(key, kind)].as_text()) * n
+            for (k, kind), n in rec.calls.items()
+            if k == key and kind in ("fwd", "bwd")
+        )
+        row = {
+            "policy": policy or "full",
+            "stage_time_s": stage_s,
+            "op_time_s": times,
+            "model_tflops": model_f / 1e12,
+            "hardware_tflops": hw / 1e12,
+            "tflops_per_s": model_f / 1e12 / stage_s,
+            "mfu": model_f / 1e12 / stage_s / peak if peak else None,
+            "hfu": hw / 1e12 / stage_s / peak if peak else None,
+            "compile_and_first_step_s": compile_s,
+            # the step's compiles, whichever stage's (one executor runs them all)
+            "recompiles_after_step_1": compiles.count,
+            "recompiled": compiles.names,
+        }
+        if module == "llm":
+            row["grad_dtypes"] = grad_dtypes(ex, rec)
+            row["inflight_guard"] = inflight_guard(ex, devices)
+        rows[module] = row
+    return rows
 
 
 def inflight_guard(ex: Any, devices: list) -> dict:
@@ -226,45 +245,60 @@ def inflight_guard(ex: Any, devices: list) -> dict:
     return {"platform": platform, "enabled": enabled, "ok": enabled == (platform == "cpu")}
 
 
-def stage_section(cfg: Any, module: str, batch_size: int, devices: list, peak) -> dict:
-    """``stage_row`` per policy; ``none`` only where the executor supports it."""
+SECTION = {"llm": "llm_stage", "vision": "vit_stage"}
+
+
+def stage_sections(cfg: Any, modules: tuple, batch_size: int, devices: list, peak) -> dict:
+    """Report sections (``llm_stage``, ``vit_stage``) of ``modules``' stages: their rows
+    per policy, ``none`` only where the executor supports it."""
     supported = recompute_support()
-    out: dict[str, Any] = {
-        "module": module,
-        "shape": {
-            "width": cfg.llm.width if module == "llm" else cfg.vision.width,
-            "layers": cfg.llm.depth if module == "llm" else cfg.vision.depth,
-            "tokens_per_sample": cfg.seq_len if module == "llm" else cfg.vision.num_tokens,
-            "batch": batch_size,
-        },
-        "recompute_argument": supported,
-    }
+    out: dict[str, Any] = {}
+    for module in modules:
+        enc = cfg.llm if module == "llm" else cfg.vision
+        out[SECTION[module]] = {
+            "module": module,
+            "shape": {
+                "width": enc.width,
+                "layers": enc.depth,
+                "tokens_per_sample": cfg.seq_len if module == "llm" else cfg.vision.num_tokens,
+                "batch": batch_size,
+            },
+            "recompute_argument": supported,
+        }
     for policy in POLICIES:
         if supported is None and policy != "full":
-            out[policy] = {"available": False, "why": "the executor takes no recompute option"}
-            continue
-        out[policy] = guarded(
-            stage_row, cfg, module, batch_size, devices, policy if supported else None, peak
-        )
+            rows = {
+                m: {"available": False, "why": "the executor takes no recompute option"}
+                for m in modules
+            }
+        else:
+            rows = guarded(
+                stage_rows, cfg, modules, batch_size, devices, policy if supported else None, peak
+            )
+        for module in modules:
+            out[SECTION[module]][policy] = rows.get(module, rows)  # or the error
     return out
 
 
 # -- collectives ----------------------------------------------------------------------------
 
 
-def reduce_scatter_section(devices: list) -> dict:
-    """Collective kinds of ZeRO-1's reduction and of sequence-parallel blocks."""
+def reduce_scatter_section(cfg: Any, devices: list) -> dict:
+    """Collective kinds of ZeRO-1's reduction and of sequence-parallel blocks, training
+    ``cfg`` (float32; None: the ``tiny`` preset)."""
     import jax
 
     import hetjax
     from hetjax.inspect import Recorder, collectives, varied_axes
-    from models.config import get_preset
     from models.data import DataConfig, SyntheticLlava
     from models.mllm import MLLM
 
     if len(devices) < 4:
         return {"needs_devices": 4, "visible": len(devices), "checked": False}
-    cfg = get_preset("tiny")
+    if cfg is None:
+        from models.config import get_preset
+
+        cfg = get_preset("tiny")
     model = MLLM(cfg)
     layouts = {"vision": hetjax.Layout.parse("dp=4"), "llm": hetjax.Layout.parse("dp=2,tp=2")}
     rec = Recorder()
@@ -277,7 +311,7 @@ def reduce_scatter_section(devices: list) -> dict:
         observers=[rec],
     )
     data = SyntheticLlava(DataConfig.for_model(cfg, seq_len=cfg.seq_len, seed=0))
-    jax.block_until_ready(ex.step(data.batch(0, 8)))
+    jax.block_until_ready(ex.step(data.batch(0, 4)))
     key = ("llm", 0)
     mesh = ex.programs[key].mesh
 
@@ -379,11 +413,15 @@ def print_table(report: dict) -> None:
     print(f"in-flight guard: {report['llm_stage'].get('full', {}).get('inflight_guard')}")
 
 
-def main(config: CheckConfig) -> dict:
-    """Runs every section, prints a table, writes the JSON object."""
+def main(config: CheckConfig, devices: list | None = None) -> dict:
+    """Runs every section, prints a table, writes the JSON object. ``devices``: the ones
+    to use when a JAX backend already runs (a test calling it in-process); None: set up
+    here (GPU flags first)."""
     from experiments.cli import ConfigError, accelerator_installed, setup_devices
 
-    if config.smoke:
+    if devices is not None:
+        pass
+    elif config.smoke:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
     elif not accelerator_installed():
         raise ConfigError("no GPU here: the full check needs one; use --smoke on CPU")
@@ -391,7 +429,8 @@ def main(config: CheckConfig) -> dict:
         from hetjax.gpu import apply_gpu_flags
 
         apply_gpu_flags()
-    devices = setup_devices(None)  # before anything else starts a JAX backend
+    if devices is None:
+        devices = setup_devices(None)  # before anything else starts a JAX backend
     from hetjax.runtime import flops
 
     sizes = SMOKE if config.smoke else FULL
@@ -409,17 +448,35 @@ def main(config: CheckConfig) -> dict:
     }
     t0 = time.perf_counter()
     llm = llm_model(sizes)
-    sections = {
-        "llm_stage": lambda: stage_section(llm, "llm", sizes.llm_batch, devices, peak),
-        "vit_stage": lambda: stage_section(
-            vit_model(sizes), "vision", sizes.vit_batch, devices, peak
-        ),
-        "reduce_scatter": lambda: reduce_scatter_section(devices),
-        "attention": lambda: attention_section(llm, devices, sizes.attention_reps),
-    }
-    for name, run in sections.items():
-        report[name] = guarded(run)
-        print(f"  {name} done ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
+    if sizes.shared:  # one executor: both stages; its model's collectives too
+        stages = [(("llm", "vision"), llm, sizes.llm_batch)]
+    else:
+        stages = [(("llm",), llm, sizes.llm_batch), (("vision",), None, sizes.vit_batch)]
+    # (report keys, what computes them): each runs guarded
+    sections: list[tuple[tuple, Any]] = [
+        (
+            tuple(SECTION[m] for m in modules),
+            lambda modules=modules, cfg=cfg, batch=batch: stage_sections(
+                cfg or vit_model(sizes), modules, batch, devices, peak
+            ),
+        )
+        for modules, cfg, batch in stages
+    ]
+    rs_cfg = llm if sizes.shared else None
+    sections.append(
+        (("reduce_scatter",), lambda: {"reduce_scatter": reduce_scatter_section(rs_cfg, devices)})
+    )
+    sections.append(
+        (
+            ("attention",),
+            lambda: {"attention": attention_section(llm, devices, sizes.attention_reps)},
+        )
+    )
+    for names, run in sections:
+        got = guarded(run)
+        for name in names:
+            report[name] = got.get(name, got)  # or the error
+        print(f"  {', '.join(names)} done ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
     report["total_s"] = time.perf_counter() - t0
     print_table(report)
     if config.json:
