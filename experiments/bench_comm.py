@@ -56,7 +56,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-import tempfile
 import time
 from collections import defaultdict
 from typing import Any
@@ -238,7 +237,7 @@ def print_table(rows: list[dict]) -> None:
 
 def main(config: BenchConfig) -> list[dict]:
     """Runs every scenario in both modes, prints a table, writes JSON, checks."""
-    from experiments.cli import ConfigError, finish_rows, setup_devices
+    from experiments.cli import ConfigError, finish_rows, setup_devices, share_compiles
 
     if config.steps < 2:
         raise ConfigError("--steps must be at least 2 (the first step compiles)")
@@ -249,11 +248,8 @@ def main(config: BenchConfig) -> list[dict]:
     from models.data import DataConfig, SyntheticLlava
     from models.mllm import MLLM
 
-    cache = tempfile.TemporaryDirectory(prefix="bench_comm_")
     # Both modes of a scenario compile the same LLM programs: the second loads them.
-    jax.config.update("jax_compilation_cache_dir", cache.name)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    cache = share_compiles("bench_comm_")
     scenarios = [s for s in SCENARIOS if not config.quick or s.name in QUICK]
     steps = min(config.steps, 3) if config.quick else config.steps
     work: dict[str, Any] = {"devices": devices}

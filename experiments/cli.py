@@ -16,6 +16,7 @@ import json
 import os
 import pkgutil
 import sys
+import tempfile
 from collections import defaultdict
 from collections.abc import Callable
 from typing import NoReturn
@@ -59,6 +60,22 @@ def allow_slow_collectives(seconds: int = 600) -> None:
     flag = "--xla_cpu_collective_call_terminate_timeout_seconds"
     if flag not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}={seconds}".strip()
+
+
+def share_compiles(prefix: str) -> tempfile.TemporaryDirectory:
+    """Points JAX's persistent compilation cache at a fresh temporary directory, so that
+    the executors of one benchmark that compile the same programs (e.g. two modes of one
+    layout, or two seeds) compile them once; keep the returned directory alive while
+    they run. A cache already configured (``JAX_COMPILATION_CACHE_DIR``, as the tests
+    set) is kept: it serves repeated runs too."""
+    import jax
+
+    cache = tempfile.TemporaryDirectory(prefix=prefix)
+    if not jax.config.jax_compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", cache.name)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return cache
 
 
 def setup_devices(

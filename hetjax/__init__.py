@@ -19,8 +19,12 @@ own parallel layout and devices. The public API:
 - :func:`run_training` and hooks - the host loop, metrics file, progress bar, summary,
   TensorBoard scalars (:class:`TensorBoardWriter`), end-of-run plots
   (:class:`MetricsPlot`); :class:`StepProfiler` traces chosen steps with ``jax.profiler``.
+- :func:`gpu_flags` / :func:`apply_gpu_flags` - suggested XLA:GPU flags (collective
+  overlap), set before the backend starts.
 """
 
+from hetjax.gpu import apply_gpu_flags as apply_gpu_flags
+from hetjax.gpu import gpu_flags as gpu_flags
 from hetjax.meshes import Layout as Layout
 from hetjax.meshes import LayoutError as LayoutError
 from hetjax.modules import Params as Params
@@ -55,7 +59,9 @@ __all__ = [
     "RunPlan",
     "StepMetrics",
     "TrainState",
+    "apply_gpu_flags",
     "clip_by_global_norm",
+    "gpu_flags",
     "plan_run",
     "JsonlWriter",
     "Layout",

@@ -42,6 +42,7 @@ class Collective:
     groups: tuple[tuple[int, ...], ...]  # replica groups, or a permute's (source, target)
     executions: int  # per program run: product of the enclosing loops' trip counts
     line: str  # the HLO instruction, for error messages
+    dtypes: tuple[str, ...] = ()  # HLO element types of ``shapes`` (``f32``, ``bf16``)
 
 
 _HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->.*\{\s*$")
@@ -73,12 +74,13 @@ def _itemsize(dtype: str) -> float:
     return int(bits.group()) / 8 if bits else 0.0  # token[]: no data
 
 
-def _arrays(text: str) -> list[tuple[tuple[int, ...], int]]:
-    """(shape, bytes) of every array type in an HLO type string (tuples flattened)."""
+def _arrays(text: str) -> list[tuple[tuple[int, ...], int, str]]:
+    """(shape, bytes, element type) of every array type in an HLO type string (tuples
+    flattened)."""
     out = []
     for dtype, dims in _ARRAY.findall(text):
         shape = tuple(int(d) for d in dims.split(",") if d)
-        out.append((shape, int(math.prod(shape) * _itemsize(dtype))))
+        out.append((shape, int(math.prod(shape) * _itemsize(dtype)), dtype))
     return out
 
 
@@ -208,17 +210,18 @@ def collectives(hlo_text: str, num_devices: int) -> list[Collective]:
             if m.group(3) == "-start" and kind != "all-reduce":
                 arrays = [max(arrays, key=lambda a: a[1])]  # (operand, result, ...) tuple
             groups = _groups(line, num_devices)
-            nbytes = sum(b for _, b in arrays)
+            nbytes = sum(a[1] for a in arrays)
             if kind == "reduce-scatter":
                 nbytes *= max(len(g) for g in groups)
             out.append(
                 Collective(
                     kind,
                     nbytes,
-                    tuple(s for s, _ in arrays),
+                    tuple(a[0] for a in arrays),
                     groups,
                     max(runs[name], 1),
                     line.strip()[:300],
+                    tuple(a[2] for a in arrays),
                 )
             )
     return out
@@ -305,3 +308,13 @@ def matmul_flops(hlo_text: str) -> float:
                 contracted = np.prod([lhs[i] for i in _ints(d.group(2))])
                 total += 2.0 * np.prod(_ints(out.group(2))) * contracted * runs[name]
     return float(total)
+
+
+_DOT_TYPE = re.compile(r"^\s*(?:ROOT\s+)?%[\w.\-]+\s*=\s*([a-z][a-z0-9]*)\[[0-9,]*\]\S*\s+dot\(")
+
+
+def dot_output_dtypes(hlo_text: str) -> Counter:
+    """Element type -> how many ``dot`` instructions of the program produce it (static
+    count: a dot in a loop body counts once). Tells whether matmuls of a mixed-precision
+    program write ``bf16`` or accumulate into ``f32`` outputs."""
+    return Counter(m.group(1) for line in hlo_text.splitlines() if (m := _DOT_TYPE.match(line)))

@@ -100,6 +100,7 @@ def ring_attention(
     zigzag: bool = False,
     causal: bool = True,
     segment_ids: jax.Array | None = None,
+    dense_at_cp1: bool = True,
 ) -> jax.Array:
     """GQA attention with the sequence sharded over the ``cp_axis`` of ``mesh``.
 
@@ -134,6 +135,10 @@ def ring_attention(
             like the tokens), or None: a query then sees only keys of its own segment,
             and ``positions`` are the tokens' positions within their samples. Their
             blocks travel the ring with the K/V blocks.
+        dense_at_cp1: with ``cp == 1``, run :func:`causal_attention` (the default);
+            False runs ``impl``'s per-rank kernel on the one rank anyway - the ring's
+            online-softmax block with its custom backward, or the all-gather's dense
+            maths - to time the kernels themselves on one device.
 
     Returns:
         ``[B, L, H, K]`` attention output, in the dtype of ``q``, sharded like ``q``.
@@ -170,7 +175,7 @@ def ring_attention(
             )
         positions = jnp.broadcast_to(positions, (b, seq))
     cp = 1 if mesh is None or cp_axis not in mesh.axis_names else int(mesh.shape[cp_axis])
-    if cp == 1:
+    if cp == 1 and (dense_at_cp1 or mesh is None or cp_axis not in mesh.axis_names):
         return causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, positions, segment_ids=segment_ids)
 
     batch_axes = tuple(batch_axes or ())

@@ -208,6 +208,8 @@ def _ring_loop(step_fn, block, state, *, axis: str, cp: int):
     maths, so they can overlap. Step 0 (the diagonal block) and step ``cp-1`` (whose
     block is not passed on) are peeled, so exactly ``cp - 1`` hops are made.
     """
+    if cp == 1:  # the diagonal block is all there is
+        return step_fn(0, block, state)
     perm = _ring_perm(cp)
     nxt = jax.lax.ppermute(block, axis, perm)
     state = step_fn(0, block, state)

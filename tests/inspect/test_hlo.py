@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import Counter
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
@@ -58,6 +59,7 @@ def test_all_reduce(mesh):
     )
     assert varied_axes(c, mesh) == {"y"}
     assert "all-reduce(" in c.line
+    assert c.dtypes == ("f32",)
     assert bytes_by_kind([c]) == {**dict.fromkeys(KINDS, 0), "all-reduce": BLOCK}
 
 
@@ -173,3 +175,15 @@ def test_dp_all_reduce_shapes_keeps_only_reductions_across_replicas():
     hlo = fn.lower(*args).compile().as_text()
     assert dp_all_reduce_shapes(hlo, mesh) == Counter({(4, 4): 1})
     assert dp_all_reduce_shapes(hlo, mesh, replica_axes=("tp",)) == Counter({(4, 2): 1})
+
+
+def test_dot_output_dtypes():
+    from hetjax.inspect.hlo import dot_output_dtypes
+
+    def f(a, b):
+        wide = jnp.dot(a, b, preferred_element_type=jnp.float32)
+        return wide, jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32))
+
+    a = jnp.ones((4, 8), jnp.bfloat16)
+    found = dot_output_dtypes(jax.jit(f).lower(a, a.T).compile().as_text())
+    assert set(found) == {"f32"} and sum(found.values()) >= 1

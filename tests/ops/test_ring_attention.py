@@ -125,6 +125,17 @@ def test_cp1_is_plain_causal_attention():
     assert_matches_reference(permuted(perm, mesh=stage_mesh(dp=2, tp=2)), q, k, v, want)
 
 
+@pytest.mark.parametrize("impl", ["ring", "allgather"])
+def test_cp1_kernels_when_asked(impl):
+    # dense_at_cp1=False runs the impl's per-rank kernel on one rank (what gpu_check
+    # times): the ring's one diagonal block and custom backward give the same values.
+    q, k, v, want = qkv_and_reference()
+    perm = np.arange(q.shape[1])
+    assert_matches_reference(
+        permuted(perm, mesh=stage_mesh(dp=2), impl=impl, dense_at_cp1=False), q, k, v, want
+    )
+
+
 @pytest.mark.parametrize(
     "layout, impl, zigzag, heads",
     [

@@ -1,0 +1,276 @@
+"""bf16 parity: heterogeneous vs homogeneous loss curves, and the gradient reduction dtype.
+
+    python -m experiments.bench_bf16 --json out.json [--steps 200] [--quick]
+
+Trains the ``tiny`` preset in bfloat16 compute (parameters, gradients' accumulators and
+optimizer state float32: ``MLLM(dtype=jnp.bfloat16)``, what ``llava_train --dtype
+bfloat16`` builds) on 8 simulated CPU devices, three runs over the same data:
+
+- ``hetero``: colocated, vision ``dp=8``, LLM ``dp=2,tp=2,pp=2`` (the CLI's default);
+- ``homo``: the same graph with ``mode="homogeneous"`` (the encoder inherits the LLM's
+  layout on its first pipeline stage);
+- ``homo_seed1``: ``homo`` with seed 1 instead of 0, the yardstick of run-to-run
+  variation: by default the parameter-initialisation seed (the data are the same);
+  ``--seed-kind data``: the data seed (the same initial parameters).
+
+``--seeds N`` adds homogeneous runs with seeds 2 .. N-1 (``ma_diff_seed0_vs_seeds``, and
+``overlap_vs_mean_of_seeds`` against their mean): one seed pair is a noisy yardstick.
+``--dtype float32`` runs the same comparison in float32 (how much of the layout's
+difference is bf16's and how much 200 steps of float reordering amplify).
+
+bf16 rounds differently under different layouts (tensor-parallel partial sums, other
+fusion), so the curves cannot match bit for bit; the claim is that the layout changes
+the curve less than a seed does. Keys of the one JSON row:
+
+- ``losses``: per run, the loss of every step;
+- ``ma_diff_hetero_vs_homo``, ``ma_diff_seed0_vs_seed1``: mean absolute difference of the
+  two runs' ``MA_WINDOW``-step moving averages (``overlap``: the first <= the second);
+- ``grad_dtypes``: from the compiled HLO of the LLM's first stage of the ``hetero`` run:
+  the element types of the ``bwd`` program's accumulator outputs (``bwd_accumulators``),
+  of its matmul outputs (``bwd_dots``), of its collectives (``bwd_collectives``: the
+  tensor-parallel ones, bf16 activations), and of the ``reduce`` program's collectives
+  that cross data-parallel replicas (``reduce_dp_collectives``: the once-per-step
+  gradient reduction, Megatron's ``accumulate_allreduce_grads_in_fp32``);
+  ``fp32_accumulation``: the accumulators and the reduction are all ``f32``.
+- ``step_time_s``: median wall time of a step, per run.
+
+``--quick`` (for the test): the smallest run that reads every key: ``tiny`` cut to one
+layer per module at sequence 48, 2 devices (vision and LLM ``dp=2``), batch 4, a
+2-step moving average and ``--steps`` 4 by default (the overlap is then not a finding).
+
+``goal_met``: the curves overlap and the accumulation is f32 (``goal_missed``: why not);
+a benchmark reports it, printed and in the row, and exits 0 either way. Bad flags are
+one-line errors (exit 2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+DEVICES = 8
+GLOBAL_BATCH = 16
+MICROBATCHES = 2
+MA_WINDOW = 10
+LAYOUTS = {"vision": "dp=8", "llm": "dp=2,tp=2,pp=2"}
+# --quick: fewer devices, no pipeline, one layer: fewer and smaller programs to compile
+QUICK_DEVICES, QUICK_LAYOUTS = 2, {"vision": "dp=2", "llm": "dp=2"}
+QUICK_LAYERS, QUICK_SEQ, QUICK_BATCH, QUICK_MA_WINDOW, QUICK_STEPS = 1, 48, 4, 2, 4
+RUNS = (("hetero", "colocated", 0), ("homo", "homogeneous", 0), ("homo_seed1", "homogeneous", 1))
+PROBE = ("llm", 0)  # the stage whose programs' dtypes are read
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+    json: str | None = None  # where to write the row (a JSON list of one); None: print only
+    quick: bool = False  # 2 devices, one layer, few steps (for the test)
+    steps: int | None = None  # steps per run; None: 200 (QUICK_STEPS with --quick)
+    dtype: str = "bfloat16"  # compute dtype: bfloat16 or float32
+    seed_kind: str = "init"  # what homo_seed1 varies: init (parameters) or data
+    seeds: int = 2  # homogeneous runs with seeds 0 .. seeds-1 (above 2: more seed pairs)
+
+
+def moving_average(xs: list[float], window: int) -> list[float]:
+    """Trailing means over ``window`` values (the first ``window - 1`` points left out)."""
+    return [sum(xs[i - window : i]) / window for i in range(window, len(xs) + 1)]
+
+
+def ma_diff(a: list[float], b: list[float], window: int = MA_WINDOW) -> float:
+    """Mean absolute difference of the two curves' moving averages."""
+    ma, mb = moving_average(a, window), moving_average(b, window)
+    return sum(abs(x - y) for x, y in zip(ma, mb, strict=True)) / len(ma)
+
+
+def grad_dtypes(ex: Any, rec: Any) -> dict[str, list[str]]:
+    """Element types of the probe stage's gradient path, from its compiled programs."""
+    import jax
+
+    from hetjax.inspect import collectives, varied_axes
+    from hetjax.inspect.hlo import dot_output_dtypes
+
+    mesh = ex.programs[PROBE].mesh
+    bwd, reduce = rec.compiled[(PROBE, "bwd")], rec.compiled[(PROBE, "reduce")]
+    acc = jax.tree.leaves(bwd.out_info[0])
+
+    def dtypes(compiled, dp_only=False) -> list[str]:
+        found = set()
+        for c in collectives(compiled.as_text(), mesh.size):
+            if not dp_only or "dp" in varied_axes(c, mesh):
+                found.update(c.dtypes)
+        return sorted(found)
+
+    return {
+        "bwd_accumulators": sorted({str(a.dtype) for a in acc}),
+        "bwd_dots": sorted(dot_output_dtypes(bwd.as_text())),
+        "bwd_collectives": dtypes(bwd),
+        "reduce_dp_collectives": dtypes(reduce, dp_only=True),
+    }
+
+
+def train(mode: str, seed: int, work: dict, steps: int, rec: Any = None) -> tuple[list, list, Any]:
+    """Losses, step times and the executor of one run (``seed`` goes to what
+    ``work["seed_kind"]`` names, the other seed is 0)."""
+    import jax
+
+    import hetjax
+
+    model, batch = work["model"], work["batch"]
+    data = work["data"][seed if work["seed_kind"] == "data" else 0]
+    seed = 0 if work["seed_kind"] == "data" else seed
+    layouts = {k: hetjax.Layout.parse(v, module=k) for k, v in work["layouts"].items()}
+    ex = hetjax.Executor(
+        model.train_graph(layouts),
+        model.init(jax.random.key(seed)),
+        devices=work["devices"],
+        mode=mode,
+        microbatches=MICROBATCHES,
+        optimizer=hetjax.OptimizerConfig(total_steps=steps, warmup_steps=max(1, steps // 10)),
+        observers=[rec] if rec is not None else [],
+    )
+    losses, times, previous = [], [], None
+    for s in range(steps):
+        t0 = time.perf_counter()
+        metrics = ex.step(data.batch(s, batch))
+        if previous is not None:  # read step s-1's metrics after dispatching step s
+            losses.append(previous["loss"])
+        previous = metrics
+        times.append(time.perf_counter() - t0)
+    losses.append(previous["loss"])
+    return losses, times, ex
+
+
+def main(config: BenchConfig, devices: list | None = None) -> list[dict]:
+    """Runs the three trainings, prints a summary and whether the goal is met, writes
+    JSON. ``devices``: the ones to use when a JAX backend already runs (a test calling
+    it in-process; the first 2 with ``--quick``); None: set up here."""
+    from experiments.cli import ConfigError, finish_rows, setup_devices, share_compiles
+
+    window = QUICK_MA_WINDOW if config.quick else MA_WINDOW
+    steps = config.steps or (QUICK_STEPS if config.quick else 200)
+    if steps <= window:
+        raise ConfigError(f"--steps must exceed the moving-average window {window}")
+    if config.seeds < 2:
+        raise ConfigError("--seeds must be at least 2 (two seeds to compare)")
+    count = QUICK_DEVICES if config.quick else DEVICES
+    if devices is None:
+        devices = setup_devices(count)  # before anything else starts a JAX backend
+    devices = devices[:count]
+    import jax.numpy as jnp
+
+    from hetjax.inspect import Recorder
+    from models.config import get_preset
+    from models.data import DataConfig, SyntheticLlava
+    from models.mllm import MLLM
+
+    cfg = get_preset("tiny")
+    if config.quick:
+        cfg = dataclasses.replace(
+            cfg,
+            llm=dataclasses.replace(cfg.llm, depth=QUICK_LAYERS),
+            vision=dataclasses.replace(cfg.vision, depth=QUICK_LAYERS),
+            seq_len=QUICK_SEQ,
+        )
+    cache = share_compiles("bench_bf16_")  # the second homogeneous run loads the first's
+    layouts = QUICK_LAYOUTS if config.quick else LAYOUTS
+    work = {
+        "devices": devices,
+        "layouts": layouts,
+        "model": MLLM(cfg, dtype=getattr(jnp, config.dtype)),
+        "data": [
+            SyntheticLlava(DataConfig.for_model(cfg, seq_len=cfg.seq_len, seed=s))
+            for s in range(config.seeds)
+        ],
+        "seed_kind": config.seed_kind,
+        "batch": QUICK_BATCH if config.quick else GLOBAL_BATCH,
+    }
+    losses, times, dtypes = {}, {}, {}
+    t0 = time.perf_counter()
+    extra = tuple((f"homo_seed{s}", "homogeneous", s) for s in range(2, config.seeds))
+    for name, mode, seed in RUNS + extra:
+        rec = Recorder() if name == "hetero" else None
+        losses[name], ts, ex = train(mode, seed, work, steps, rec)
+        times[name] = statistics.median(ts[1:])
+        if rec is not None:
+            dtypes = grad_dtypes(ex, rec)
+        print(f"  trained {name} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
+    cache.cleanup()
+    layout_diff = ma_diff(losses["hetero"], losses["homo"], window)
+    seed_diff = ma_diff(losses["homo"], losses["homo_seed1"], window)
+    pairs = [
+        ma_diff(losses["homo"], losses[f"homo_seed{s}"], window) for s in range(1, config.seeds)
+    ]
+    fp32 = dtypes["bwd_accumulators"] == ["float32"] and dtypes["reduce_dp_collectives"] == ["f32"]
+    missed = []
+    if layout_diff > seed_diff:
+        missed.append(
+            f"hetero vs homo differ by {layout_diff:.5f}, more than two seeds ({seed_diff:.5f})"
+        )
+    if not fp32:
+        missed.append(f"gradient accumulation or reduction is not float32: {dtypes}")
+    row = {
+        "preset": "tiny" if not config.quick else f"tiny, {QUICK_LAYERS} layer per module",
+        "quick": config.quick,
+        "dtype": config.dtype,
+        "steps": steps,
+        "layouts": layouts,
+        "seed_varied": {
+            "init": "parameter initialisation (data identical)",
+            "data": "data (initial parameters identical)",
+        }[config.seed_kind],
+        "ma_window": window,
+        "ma_diff_hetero_vs_homo": layout_diff,
+        "ma_diff_seed0_vs_seed1": seed_diff,
+        "overlap": layout_diff <= seed_diff,
+        "ma_diff_seed0_vs_seeds": pairs,  # seed 0 vs seed 1, 2, ... (--seeds)
+        "overlap_vs_mean_of_seeds": layout_diff <= sum(pairs) / len(pairs),
+        "final_loss": {k: v[-1] for k, v in losses.items()},
+        "grad_dtypes": dtypes,
+        "fp32_accumulation": fp32,
+        "goal_met": not missed,
+        "goal_missed": missed,
+        "step_time_s": times,
+        "losses": losses,
+    }
+    print(f"{'curves':<28} {f'MA-{window} mean |diff|':>18}")
+    print(f"{'hetero vs homo':<28} {layout_diff:18.5f}")
+    print(f"{'homo seed 0 vs seed 1':<28} {seed_diff:18.5f}")
+    for s, d in enumerate(pairs[1:], start=2):
+        print(f"{f'homo seed 0 vs seed {s}':<28} {d:18.5f}")
+    print(f"overlap (layout <= seed): {row['overlap']}")
+    print("final loss: " + ", ".join(f"{k} {v:.4f}" for k, v in row["final_loss"].items()))
+    for k, v in dtypes.items():
+        print(f"{k:<24} {', '.join(v) or '-'}")
+    print(f"goal met: {row['goal_met']}" + "".join(f"\n  missed: {m}" for m in missed))
+    finish_rows([row], config.json, [], "goal missed")  # a benchmark reports; it exits 0
+    return [row]
+
+
+def parse_args(argv: list[str]) -> BenchConfig:
+    from experiments.cli import OneLineParser, positive_int
+
+    p = OneLineParser(prog="bench_bf16", description=__doc__.splitlines()[0])
+    p.add_argument("--json", default=None, help="write the row as a JSON list")
+    p.add_argument("--quick", action="store_true", help="tiniest run, few steps (for the test)")
+    p.add_argument("--steps", type=positive_int, default=None, help="steps per run")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    p.add_argument("--seeds", type=positive_int, default=2, help="homogeneous seeds (>= 2)")
+    p.add_argument(
+        "--seed-kind", choices=("init", "data"), default="init", help="what the 2nd seed varies"
+    )
+    return BenchConfig(**vars(p.parse_args(argv)))
+
+
+if __name__ == "__main__":
+    from experiments.cli import run_cli
+
+    def _run(argv: list[str]) -> int:
+        main(parse_args(argv))
+        return 0
+
+    run_cli(_run, "bench_bf16")

@@ -1,0 +1,54 @@
+"""hetjax.gpu: the suggested XLA:GPU flags are well formed, known to this jaxlib, and
+merge into XLA_FLAGS without duplicates; applying them after the backend starts fails."""
+
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from hetjax import gpu
+
+
+def test_flags_are_well_formed():
+    flags = gpu.gpu_flags()
+    assert flags and len(flags) == len(set(flags))
+    for f in flags:
+        assert re.fullmatch(r"--xla_gpu_[a-z0-9_]+=(true|false|[0-9]+)", f), f
+
+
+def test_merge_keeps_user_values_and_adds_each_flag_once():
+    flags = gpu.gpu_flags()
+    mine = "--xla_cpu_enable_fast_math=false --xla_gpu_enable_latency_hiding_scheduler=false"
+    merged = gpu.merge_flags(mine, flags)
+    names = [f.split("=")[0] for f in merged.split()]
+    assert len(names) == len(set(names))
+    assert merged.startswith(mine)  # the user's flags first, with the user's values
+    assert set(flags) - set(merged.split()) == {"--xla_gpu_enable_latency_hiding_scheduler=true"}
+    assert gpu.merge_flags(merged, flags) == merged  # idempotent
+
+
+def test_apply_refuses_after_the_backend_started(monkeypatch):
+    jax.devices()  # the test session's backend runs
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_foo=1")
+    with pytest.raises(RuntimeError, match="before jax.devices"):
+        gpu.apply_gpu_flags()
+    assert os.environ["XLA_FLAGS"] == "--xla_cpu_foo=1"
+
+
+def test_apply_before_the_backend_sets_flags_xla_knows():
+    # XLA aborts on an unknown flag in XLA_FLAGS; a fresh process applies them and runs.
+    code = (
+        "import os, hetjax, jax; hetjax.apply_gpu_flags(); "
+        "print(jax.numpy.ones(2).sum()); print(os.environ['XLA_FLAGS'])"
+    )
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_cpu_enable_fast_math=false"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    total, flags = out.stdout.splitlines()[-2:]
+    assert total == "2.0"
+    assert flags.split() == ["--xla_cpu_enable_fast_math=false", *gpu.gpu_flags()]
