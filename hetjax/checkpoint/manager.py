@@ -44,14 +44,18 @@ def _is_executor(trainer: Any) -> bool:
     return hasattr(trainer, "abstract_state")
 
 
-def _name(key: Any) -> str:
-    return str(getattr(key, "key", getattr(key, "idx", getattr(key, "name", key))))
+def _path_name(path: tuple) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+
+
+def _flat(tree: Any) -> tuple[list[tuple[str, Any]], Any]:
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    return [(_path_name(path), leaf) for path, leaf in flat], treedef
 
 
 def named(tree: Any) -> dict[str, Any]:
     """``{"vit/blocks/attn/qkv": leaf, ...}``: each leaf by its path."""
-    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return {"/".join(_name(k) for k in path): leaf for path, leaf in flat}
+    return dict(_flat(tree)[0])
 
 
 def shapes(tree: Any) -> dict[str, list[int]]:
@@ -73,21 +77,16 @@ def _without(tree: Any, names: set[str]) -> Any:
     """``tree`` with the leaves named ``names`` replaced by the placeholder."""
     if not names:
         return tree
-    flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    keep = ["/".join(_name(k) for k in path) not in names for path, _ in flat]
-    leaves = [leaf if k else _PLACEHOLDER for (_, leaf), k in zip(flat, keep, strict=True)]
-    return jax.tree.unflatten(treedef, leaves)
+    flat, treedef = _flat(tree)
+    return jax.tree.unflatten(treedef, [_PLACEHOLDER if n in names else x for n, x in flat])
 
 
 def _with(tree: Any, leaves: Mapping[str, Any]) -> Any:
     """``tree`` with the leaves named in ``leaves`` put back."""
     if not leaves:
         return tree
-    flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    names = ["/".join(_name(k) for k in path) for path, _ in flat]
-    return jax.tree.unflatten(
-        treedef, [leaves.get(n, leaf) for n, (_, leaf) in zip(names, flat, strict=True)]
-    )
+    flat, treedef = _flat(tree)
+    return jax.tree.unflatten(treedef, [leaves.get(n, x) for n, x in flat])
 
 
 class Checkpointer:
