@@ -78,8 +78,6 @@ def main(config: TrainConfig) -> int:
         ckpt = _checkpointer(config)  # before training: the directory is usable
         resume = ckpt is not None and ckpt.latest_step() is not None
         trainer = _trainer(config, run, devices, init=not resume, lead=lead)
-        if ckpt is not None:
-            ckpt.check_savable(trainer)
         start, meta = _resume(ckpt, trainer, lead) if resume else (0, {})
         stream = _stream(config, run, meta.get("data"), len(devices))
     end = config.stop_after or config.steps

@@ -7,8 +7,7 @@
 
 from .manager import Checkpointer as Checkpointer
 from .manager import CheckpointError as CheckpointError
-from .manager import check_savable as check_savable
 from .manager import restore as restore
 from .manager import save as save
 
-__all__ = ["CheckpointError", "Checkpointer", "check_savable", "restore", "save"]
+__all__ = ["CheckpointError", "Checkpointer", "restore", "save"]

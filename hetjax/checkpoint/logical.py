@@ -48,7 +48,8 @@ def stacked_sharding(stage: NamedSharding, ndim: int, full_mesh: Any) -> NamedSh
 def _assemble(shape: tuple[int, ...], sharding: NamedSharding, arrays: list) -> jax.Array:
     shards = {s.device: s.data for a in arrays for s in a.addressable_shards}
     devices = sharding.addressable_devices_indices_map(shape)
-    return jax.make_array_from_single_device_arrays(shape, sharding, [shards[d] for d in devices])
+    data = [shards[d] for d in devices]  # none on a process that holds no part
+    return jax.make_array_from_single_device_arrays(shape, sharding, data, dtype=arrays[0].dtype)
 
 
 def _stack(arrays: list, full_mesh: Any) -> Any:

@@ -3,7 +3,11 @@
 :class:`Checkpointer` wraps ``orbax.checkpoint.CheckpointManager``: each checkpoint is a
 step directory holding ``state`` (parameters and optimizer state, see
 :mod:`hetjax.checkpoint.logical`) and ``meta`` (JSON: the step, the data position, the
-RNG seed, the resolved config, the model's parameter shapes). Saves are asynchronous:
+RNG seed, the resolved config, the model's parameter shapes). In a multi-process run, the
+arrays that only some processes hold (a pipeline stage on one process's devices) go to a
+third item, ``owned``, that their owners write themselves (:mod:`hetjax.checkpoint.owned`;
+orbax's array handler saves only arrays that every process holds part of); the rest of
+the tree keeps a placeholder there, and ``meta`` names them. Saves are asynchronous:
 ``save`` returns once the arrays are copied to host memory and the files are written in
 the background (the next step may then donate the buffers). Orbax writes into a
 temporary directory and renames it when complete, so a kill during a save leaves
@@ -24,9 +28,11 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 from hetjax.checkpoint import logical as lg
+from hetjax.checkpoint import owned as ow
 from hetjax.files import ensure_writable_dir
 
 
@@ -38,13 +44,49 @@ def _is_executor(trainer: Any) -> bool:
     return hasattr(trainer, "abstract_state")
 
 
+def _path_name(path: tuple) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+
+
+def _flat(tree: Any) -> tuple[list[tuple[str, Any]], Any]:
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    return [(_path_name(path), leaf) for path, leaf in flat], treedef
+
+
+def named(tree: Any) -> dict[str, Any]:
+    """``{"vit/blocks/attn/qkv": leaf, ...}``: each leaf by its path."""
+    return dict(_flat(tree)[0])
+
+
 def shapes(tree: Any) -> dict[str, list[int]]:
     """``{"vit/blocks/attn/qkv": [4, 64, 192], ...}``: each leaf's path and shape."""
-    out = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        name = "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
-        out[name] = [int(n) for n in leaf.shape]
-    return out
+    return {name: [int(n) for n in leaf.shape] for name, leaf in named(tree).items()}
+
+
+def _held_by_some(x: Any) -> bool:
+    """A global array that some processes hold no shard of (orbax cannot save it)."""
+    if not isinstance(x, jax.Array):
+        return False
+    return len({d.process_index for d in x.sharding.device_set}) < jax.process_count()
+
+
+_PLACEHOLDER = np.zeros((), np.int8)  # in ``state`` where a leaf lives in ``owned``
+
+
+def _without(tree: Any, names: set[str]) -> Any:
+    """``tree`` with the leaves named ``names`` replaced by the placeholder."""
+    if not names:
+        return tree
+    flat, treedef = _flat(tree)
+    return jax.tree.unflatten(treedef, [_PLACEHOLDER if n in names else x for n, x in flat])
+
+
+def _with(tree: Any, leaves: Mapping[str, Any]) -> Any:
+    """``tree`` with the leaves named in ``leaves`` put back."""
+    if not leaves:
+        return tree
+    flat, treedef = _flat(tree)
+    return jax.tree.unflatten(treedef, [leaves.get(n, x) for n, x in flat])
 
 
 class Checkpointer:
@@ -70,7 +112,7 @@ class Checkpointer:
             options=ocp.CheckpointManagerOptions(
                 max_to_keep=keep, enable_async_checkpointing=async_save, create=True
             ),
-            item_names=("state", "meta"),
+            item_names=("state", "meta", "owned"),
         )
         if self._manager.latest_step() is None and _foreign(self.directory):
             raise CheckpointError(
@@ -90,18 +132,20 @@ class Checkpointer:
         state = (
             lg.executor_logical(trainer) if _is_executor(trainer) else lg.reference_logical(trainer)
         )
+        owned = {n: x for n, x in named(state).items() if _held_by_some(x)}
         meta = {
             "step": int(step),
             "shapes": shapes(state["params"]),
+            **({"owned": sorted(owned)} if owned else {}),
             **json.loads(json.dumps(dict(metadata or {}), default=str)),
         }
-        self._manager.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)
-            ),
-            force=True,
-        )
+        items = {
+            "state": ocp.args.StandardSave(_without(state, set(owned))),
+            "meta": ocp.args.JsonSave(meta),
+        }
+        if owned:
+            items["owned"] = ow.OwnedSave(owned)
+        self._manager.save(step, args=ocp.args.Composite(**items), force=True)
 
     def metadata(self, step: int | None = None) -> dict[str, Any]:
         """The JSON metadata of checkpoint ``step`` (default: the latest)."""
@@ -130,20 +174,17 @@ class Checkpointer:
         executor = _is_executor(trainer)
         targets = lg.executor_targets(trainer) if executor else lg.reference_targets(trainer)
         _check_shapes(meta.get("shapes", {}), shapes(targets["params"]), self.path(step))
-        try:
-            got = self._manager.restore(
-                step,
-                args=ocp.args.Composite(state=ocp.args.StandardRestore(targets)),
-            )
-        except Exception as e:  # noqa: BLE001
-            raise CheckpointError(
-                f"checkpoint {self.path(step)} is damaged or incomplete ({type(e).__name__}: "
-                f"{str(e).splitlines()[0][:160]}); delete it to resume from an earlier one"
-            ) from None
+        owned = set(meta.get("owned", ()))
+        state = self._read(
+            step,
+            ocp.args.StandardRestore(_without(targets, owned)),
+            {n: t for n, t in named(targets).items() if n in owned},
+            "delete it to resume from an earlier one",
+        )
         if executor:
-            trainer.state = lg.executor_state(trainer, got["state"], int(meta["step"]))
+            trainer.state = lg.executor_state(trainer, state, int(meta["step"]))
         else:
-            trainer.params, trainer.opt_state = lg.reference_state(trainer, got["state"])
+            trainer.params, trainer.opt_state = lg.reference_state(trainer, state)
         return meta
 
     def restore_params(self, like: Any, *, step: int | None = None) -> Any:
@@ -152,30 +193,48 @@ class Checkpointer:
         the single-device layout); no trainer and no optimizer state are needed (export).
         """
         step = self._step(step)
-        _check_shapes(self.metadata(step).get("shapes", {}), shapes(like), self.path(step))
-        restore_args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding), like)
-        try:
-            got = self._manager.restore(
-                step,
-                args=ocp.args.Composite(
-                    state=ocp.args.PyTreeRestore(
-                        {"params": like},
-                        restore_args={"params": restore_args},
-                        partial_restore=True,
-                    )
-                ),
-            )
-        except Exception as e:  # noqa: BLE001
-            raise CheckpointError(
-                f"checkpoint {self.path(step)} is damaged or incomplete ({type(e).__name__}); "
-                "delete it or export an earlier step"
-            ) from None
-        return got["state"]["params"]
+        meta = self.metadata(step)
+        _check_shapes(meta.get("shapes", {}), shapes(like), self.path(step))
+        wanted = named({"params": like})
+        owned = set(meta.get("owned", ())) & set(wanted)
+        like = _without({"params": like}, owned)
+        restore_args = jax.tree.map(
+            lambda a: (
+                ocp.RestoreArgs(restore_type=np.ndarray)
+                if a is _PLACEHOLDER
+                else ocp.ArrayRestoreArgs(sharding=a.sharding)
+            ),
+            like,
+        )
+        state = self._read(
+            step,
+            ocp.args.PyTreeRestore(like, restore_args=restore_args, partial_restore=True),
+            {n: wanted[n] for n in sorted(owned)},
+            "delete it or export an earlier step",
+        )
+        return state["params"]
 
-    @staticmethod
-    def check_savable(trainer: Any) -> None:
-        """See :func:`check_savable`."""
-        check_savable(trainer)
+    def _read(self, step: int, args: Any, owned: Mapping[str, Any], fix: str) -> Any:
+        """Item ``state`` (orbax, with ``args``) with the ``owned`` leaves put back.
+
+        The owned leaves are read outside orbax's restore, after it: each process reads
+        only its own slices, so damage there fails on one process alone, and orbax's
+        restore must run alike on every process. Every process then stops alike.
+        """
+        got, error = None, None
+        try:
+            got = self._manager.restore(step, args=ocp.args.Composite(state=args))["state"]
+            if owned:
+                got = _with(got, ow.read(self.path(step) / "owned", dict(owned)))
+        except Exception as e:  # noqa: BLE001 - orbax and tensorstore raise many kinds
+            error = (
+                f"checkpoint {self.path(step)} is damaged or incomplete ({type(e).__name__}: "
+                f"{str(e).splitlines()[0][:160]}); {fix}"
+            )
+        error = _first_error(error)
+        if error is not None:
+            raise CheckpointError(error)
+        return got
 
     def wait(self) -> None:
         """Blocks until every started save is on disk."""
@@ -192,6 +251,25 @@ class Checkpointer:
                 f"no checkpoint {'' if step is None else step} in {self.directory}"
             )
         return step
+
+
+def _first_error(error: str | None) -> str | None:
+    """Multi-process: the first process's error, on every process. Each process reads only
+    its own slices, so damage one process reads fails there alone; all must stop alike."""
+    if jax.process_count() == 1:
+        return error
+    from jax.experimental import multihost_utils
+
+    blob = np.zeros(_ERROR_BYTES, np.uint8)
+    mine = (error or "").encode()[:_ERROR_BYTES]
+    blob[: len(mine)] = np.frombuffer(mine, np.uint8)
+    for row in multihost_utils.process_allgather(blob):
+        if row.any():
+            return bytes(row).rstrip(b"\0").decode(errors="replace")
+    return None
+
+
+_ERROR_BYTES = 512
 
 
 def _check_writable(directory: Path) -> None:
@@ -230,26 +308,6 @@ def _single_writer_arrays() -> None:
 
 
 _SINGLE_WRITER = False  # registered in this process
-
-
-def check_savable(trainer: Any) -> None:
-    """Multi-process: orbax saves global arrays that span processes (each writes its own
-    shards), and refuses one held entirely by one process. Checked before training.
-
-    Raises:
-        CheckpointError: a pipeline stage whose devices all belong to one process.
-    """
-    if jax.process_count() == 1 or not _is_executor(trainer):
-        return
-    for (module, stage), prog in trainer.programs.items():
-        owners = sorted({d.process_index for d in prog.devices})
-        if len(owners) == 1:
-            raise CheckpointError(
-                f"multi-process checkpoints need every pipeline stage to span processes "
-                f"(orbax saves global arrays), but {module} stage {stage} is on process "
-                f"{owners[0]} only; use stages that span processes (e.g. fewer pp stages or "
-                "colocated modules), or checkpoint a single-process run"
-            )
 
 
 def _foreign(directory: Path) -> bool:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -229,8 +230,8 @@ def test_partial_multiprocess_flags_give_one_line():
     ], done.stderr
 
 
-# Checkpoints across process counts: a layout whose stages span both processes (orbax
-# saves global arrays; a stage held by one process is refused up front).
+# Checkpoints across process counts: a layout whose stages span both processes (every
+# array is orbax's).
 SPANNING = ["--layout", "vision:dp=8", "--layout", "llm:dp=4,tp=2"]
 CKPT_RUN = ["--steps", "6", "--global-batch", "16", "--microbatches", "2", *SPANNING]
 
@@ -277,3 +278,78 @@ def test_checkpoints_move_between_process_counts(tmp_path):
         rows = _rows(tmp_path / ("s.jsonl" if name == "single" else "m.jsonl"))
         assert [r["step"] for r in rows] == [3, 4, 5]
         np.testing.assert_allclose([r["loss"] for r in rows], want[3:], rtol=1e-5)
+
+
+# Checkpoints of stages held by one process (2 x 4, the "colocated" layout): the LLM's
+# stage 0 is on process 0's devices and stage 1 on process 1's, so its pre and post parts
+# and their optimizer state are written by their owners alone (the "owned" item); the
+# vision encoder and the LLM's block stack span both processes (orbax's arrays).
+OWNED_RUN = ["--steps", "6", "--global-batch", "16", "--microbatches", "2"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_checkpoints_of_stages_held_by_one_process(tmp_path):
+    """Saved by 2 processes at step 3; resumed in the same layout, steps 4-6 equal the
+    uninterrupted 2-process run bit for bit (FP32); resumed by one process in another
+    layout (islands, 8 devices), at rtol 1e-5. A truncated chunk of the owned item stops
+    both processes with the one-line error (exit 2) and leaves the checkpoint as it was."""
+    ckpt, run = tmp_path / "ckpt", [*OWNED_RUN, *LAYOUTS["colocated"]]
+    first = {
+        "uninterrupted": _launcher(
+            2, 4, "experiments.llava_train", [*run, "--metrics", str(tmp_path / "whole.jsonl")]
+        ),
+        "saving": _launcher(
+            2, 4, "experiments.llava_train",
+            [*run, "--stop-after", "3", "--checkpoint-dir", str(ckpt)],
+        ),
+    }  # fmt: skip
+    for name, proc in first.items():
+        done = _finish(proc, f"the {name} run")
+        assert done.returncode == 0, done.stderr[-3000:]
+    want = [r["loss"] for r in _rows(tmp_path / "whole.jsonl")]
+    assert len(want) == 6
+    meta = json.loads((ckpt / "3" / "meta" / "metadata").read_text())
+    assert "params/llm/pre/table" in meta["owned"], meta.get("owned")
+    assert not any(n.startswith("params/vision") for n in meta["owned"]), meta["owned"]
+
+    other, damaged = tmp_path / "other", tmp_path / "damaged"
+    shutil.copytree(ckpt, other)
+    shutil.copytree(ckpt, damaged)
+    chunks = [p for p in (damaged / "3" / "owned").rglob("*") if p.is_file() and p.name[0] != "."]
+    biggest = max(chunks, key=lambda p: p.stat().st_size)
+    biggest.write_bytes(biggest.read_bytes()[: biggest.stat().st_size // 3])
+    before = sorted((str(p), p.stat().st_size) for p in damaged.rglob("*"))
+    second = {
+        "same-layout": _launcher(
+            2, 4, "experiments.llava_train",
+            [*run, "--checkpoint-dir", str(ckpt), "--metrics", str(tmp_path / "same.jsonl")],
+        ),
+        "other-layout": _popen(
+            ["experiments.llava_train", "--devices", "8", *OWNED_RUN,
+             *LAYOUTS["non-colocated-pp"], "--checkpoint-dir", str(other),
+             "--metrics", str(tmp_path / "other.jsonl")]
+        ),
+        "damaged": _launcher(
+            2, 4, "experiments.llava_train", [*run, "--checkpoint-dir", str(damaged)]
+        ),
+    }  # fmt: skip
+    done = {name: _finish(proc, f"the {name} resume") for name, proc in second.items()}
+    for name in ("same-layout", "other-layout"):
+        assert done[name].returncode == 0, done[name].stderr[-3000:]
+        assert "resumed from step 3" in done[name].stdout, done[name].stdout[-2000:]
+    same = _rows(tmp_path / "same.jsonl")
+    assert [r["step"] for r in same] == [3, 4, 5]
+    assert [r["loss"] for r in same] == want[3:]  # bit for bit
+    moved = _rows(tmp_path / "other.jsonl")
+    np.testing.assert_allclose([r["loss"] for r in moved], want[3:], rtol=1e-5)
+
+    bad = done["damaged"]
+    assert bad.returncode == 2, bad.stderr[-3000:]
+    assert "Traceback" not in bad.stderr
+    for p in range(2):
+        errors = [l for l in _lines(bad.stderr, p) if l.startswith("llava_train: error: ")]
+        assert len(errors) == 1, bad.stderr[-3000:]
+        assert f"checkpoint {damaged / '3'} is damaged or incomplete" in errors[0], errors
+        assert errors[0].endswith("delete it to resume from an earlier one"), errors
+    assert sorted((str(p), p.stat().st_size) for p in damaged.rglob("*")) == before
