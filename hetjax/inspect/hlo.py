@@ -305,3 +305,11 @@ def matmul_flops(hlo_text: str) -> float:
                 contracted = np.prod([lhs[i] for i in _ints(d.group(2))])
                 total += 2.0 * np.prod(_ints(out.group(2))) * contracted * runs[name]
     return float(total)
+
+
+def cost_flops(compiled: Any) -> float:
+    """XLA's ``cost_analysis()`` FLOPs of a ``jax.stages.Compiled`` (element-wise work
+    included, but a while body counted once: see :func:`matmul_flops` for trip counts)."""
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    return float(cost.get("flops", 0.0))
