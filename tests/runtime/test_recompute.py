@@ -99,3 +99,16 @@ def test_unknown_policy_or_module_is_one_line():
         graph.with_recompute({"lm": "full"})
     mixed = graph.with_recompute({"*": "selective", "llm": "full"})
     assert [m.recompute for m in mixed.modules] == ["selective", "full"]
+
+
+def test_recompute_flag_sets_the_config_and_errors_name_it():
+    from experiments import flags
+
+    cfg = flags.parse_args(["--recompute", "full", "--recompute", "llm:none"], prog="t")
+    assert cfg.parallel.recompute == {"*": "full", "llm": "none"}
+    with pytest.raises(flags.ConfigError, match=r"^--recompute llm:some must be policies"):
+        flags.parse_args(["--recompute", "llm:some"], prog="t")
+    graph = MLLM(get_preset("tiny")).train_graph(dict.fromkeys(("vision", "llm"), hetjax.Layout()))
+    with pytest.raises(LayoutError) as e:
+        graph.with_recompute({"lm": "none"})
+    assert flags.as_flags(str(e.value)).startswith("--recompute names unknown module 'lm'")
