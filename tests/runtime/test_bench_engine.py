@@ -21,6 +21,7 @@ def rows(tmp_path_factory):
     return quick_rows("bench_engine", tmp_path_factory.mktemp("bench_engine"))
 
 
+@pytest.mark.slow
 def test_recompute_policies_cost_what_they_replay(rows):
     by = {r["recompute"]: r for r in rows}
     assert set(by) == {"none", "selective", "full"}
