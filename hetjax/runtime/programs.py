@@ -405,8 +405,9 @@ class StageProgram:
         return self._merge_replicas(y), Residuals(kept, *self._residual_meta)
 
     def _backward(self, params, acc, x, batch, g_out, normalizer):
-        """Replays the stage forward from its stashed input (``full``) and accumulates
-        the per-replica parameter gradient."""
+        """Runs the stage forward from its stashed input under ``jax.vjp`` (``full``: a
+        replay; the loss stage in every policy: its only forward) and accumulates the
+        per-replica parameter gradient."""
         trained, frozen = self.trainable_of(params), self._frozen_of(params)
 
         def per_replica(x_r, batch_r, g_r):
