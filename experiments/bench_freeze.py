@@ -60,12 +60,6 @@ class BenchConfig:
     steps: int = 4  # steps per row (the first compiles)
 
 
-def _cost_flops(compiled: Any) -> float:
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, list) else cost
-    return float(cost.get("flops", 0.0))
-
-
 def _nbytes(tree: Any) -> int:
     import jax
 
@@ -74,11 +68,11 @@ def _nbytes(tree: Any) -> int:
 
 def run(freeze: tuple[str, ...], work: dict, steps: int) -> dict:
     """One row: trains ``steps`` steps with ``freeze``, counting the second step's calls."""
-    import jax
 
     import hetjax
+    from experiments.cli import timed_steps
     from hetjax.inspect import Recorder
-    from hetjax.inspect.hlo import matmul_flops
+    from hetjax.inspect.hlo import cost_flops, matmul_flops
     from hetjax.inspect.memory import peak_bytes
     from hetjax.runtime import flops
 
@@ -96,22 +90,9 @@ def run(freeze: tuple[str, ...], work: dict, steps: int) -> dict:
         optimizer=hetjax.OptimizerConfig(total_steps=steps),
         observers=[rec],
     )
-    jax.block_until_ready(ex.step(batches[0]))  # compiles
-    rec.calls.clear()
-    times = []
-    for batch in batches[1:steps]:
-        t0 = time.perf_counter()
-        jax.block_until_ready((ex.step(batch), ex.state))
-        times.append(time.perf_counter() - t0)
-        rec.pause()  # calls of exactly one step
+    times = timed_steps(ex, batches[:steps], rec)  # rec: the second step's calls
     size = {key: prog.mesh.size for key, prog in ex.programs.items()}
-
-    def per_step(count) -> float:  # per-device count x devices, over one step's calls
-        return sum(
-            n * count(rec.compiled[(key, kind)]) * size[key] for (key, kind), n in rec.calls.items()
-        )
-
-    compiled = per_step(lambda c: matmul_flops(c.as_text()))
+    compiled = rec.per_step(lambda c: matmul_flops(c.as_text()), size)
     supervised = int(batches[1]["loss_mask"].sum())
     forward = model.config.forward_flops(GLOBAL_BATCH, work["seq_len"], supervised)
     executed = model.config.forward_flops(GLOBAL_BATCH, work["seq_len"], supervised, executed=True)
@@ -125,7 +106,7 @@ def run(freeze: tuple[str, ...], work: dict, steps: int) -> dict:
     return {
         "freeze": ",".join(freeze) or "none",
         "compiled_flops_per_step": compiled,
-        "xla_cost_analysis_flops_per_step": per_step(_cost_flops),
+        "xla_cost_analysis_flops_per_step": rec.per_step(cost_flops, size),
         "expected_flops_per_step": sum(flops.hardware_flops(graph, executed, attention).values()),
         "model_tflops_per_step": sum(flops.model_flops(graph, forward).values()) / 1e12,
         "opt_state_bytes": _nbytes(ex.opt_state),
@@ -185,27 +166,11 @@ def print_table(rows: list[dict]) -> None:
 
 def main(config: BenchConfig) -> list[dict]:
     """Runs the three rows, prints a table, writes JSON, checks the goals."""
-    from experiments.cli import ConfigError, finish_rows, setup_devices
+    from experiments.cli import finish_rows, synthetic_work
 
-    if config.steps < 2:
-        raise ConfigError("--steps must be at least 2 (the first step compiles)")
-    devices = setup_devices(DEVICES)  # before anything starts a JAX backend
-    import jax
-
-    from models.config import get_preset
-    from models.data import DataConfig, SyntheticLlava
-    from models.mllm import MLLM
-
-    cfg = get_preset("tiny" if config.quick else "small")
-    model = MLLM(cfg)
-    data = SyntheticLlava(DataConfig.for_model(cfg, seq_len=cfg.seq_len, seed=0))
-    work = {
-        "devices": devices,
-        "model": model,
-        "seq_len": cfg.seq_len,
-        "batches": [data.batch(i, GLOBAL_BATCH) for i in range(config.steps)],
-        "params": model.init(jax.random.key(0)),
-    }
+    work = synthetic_work(
+        DEVICES, quick=config.quick, steps=config.steps, global_batch=GLOBAL_BATCH
+    )
     t0 = time.perf_counter()
     rows = []
     for freeze in FREEZES:
@@ -219,22 +184,9 @@ def main(config: BenchConfig) -> list[dict]:
     return rows
 
 
-def parse_args(argv: list[str]) -> BenchConfig:
-    from experiments.cli import OneLineParser, positive_int
-
-    p = OneLineParser(prog="bench_freeze", description=__doc__.splitlines()[0])
-    d = BenchConfig()
-    p.add_argument("--json", default=d.json, help="write the rows as a JSON list")
-    p.add_argument("--quick", action="store_true", help="the tiny preset (for the test)")
-    p.add_argument("--steps", type=positive_int, default=d.steps, help="steps per row")
-    return BenchConfig(**vars(p.parse_args(argv)))
-
-
 if __name__ == "__main__":
-    from experiments.cli import run_cli
+    from experiments.cli import run_bench
 
-    def _run(argv: list[str]) -> int:
-        main(parse_args(argv))
-        return 0
-
-    run_cli(_run, "bench_freeze")
+    run_bench(
+        main, BenchConfig, prog="bench_freeze", doc=__doc__, quick="the tiny preset (for the test)"
+    )

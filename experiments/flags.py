@@ -129,6 +129,15 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--save-every", "checkpoint.save_every", positive_int, metavar="N"),
     Flag("--keep", "checkpoint.keep", positive_int, metavar="K"),
     Flag("--reference", "parallel.reference"),
+    Flag(
+        "--recompute",
+        "parallel.recompute",
+        metavar="[MODULE:]POLICY",
+        help="activation policy: none (keep the backward's residuals), selective (keep "
+        "matmul outputs, recompute the rest) or full (replay each stage's forward); "
+        "MODULE:POLICY for one module, a bare POLICY for the others (repeatable; default "
+        "none: no forward runs twice)",
+    ),
     Flag("--zero1", "parallel.zero1"),
     Flag("--sequence-parallel", "parallel.sequence_parallel"),
     Flag(
@@ -202,6 +211,9 @@ def resolve(path: str | None, given: Mapping[str, Any]) -> hc.TrainConfig:
     for dotted, value in given.items():
         if dotted == "parallel.layouts" and list(value) == ["auto"]:
             value = {"auto": "auto"}  # --layout auto: the planner picks (llava_train)
+        elif dotted == "parallel.recompute":  # a bare POLICY: every module not named
+            value = [v if ":" in v else f"*:{v}" for v in value]
+            value = hc.parse_module_items(value, path=dotted)
         elif get_origin(_LEAVES[dotted].hint) is dict:
             kind = get_args(_LEAVES[dotted].hint)[1]
             value = (
@@ -246,7 +258,7 @@ _LITERAL = r"\{[^{}]*\}|\[[^\[\]]*\]|'[^']*'|\"[^\"]*\"|-?\d+(?:\.\d+)?(?:e-?\d+
 # these, and dotted config paths, are translated on their own.
 _BARE = {
     *("islands", "offload_encoders", "num_devices", "coordinator", "num_processes"),
-    *("process_id", "freeze"),
+    *("process_id", "freeze", "recompute"),
 }
 
 

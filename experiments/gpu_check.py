@@ -12,10 +12,9 @@ reports ``{"error": ...}`` and the others still run.
 - ``llm_stage``: MFU of the LLM's stage program (forward + backward) at a real width: a
   4-layer LLM of ``llm-14b``'s width (5120, 40 heads, 8 kv heads, MLP 17920, vocabulary
   128256, embedding and head included) at sequence 8192, batch 1, bfloat16 compute
-  (parameters float32), one device, one microbatch. Per recompute policy: ``full``
-  (today's backward, which replays the forward) and ``none`` when the executor takes a
-  ``recompute`` policy, as an argument or a ``ParallelOptions`` field (else ``{"available":
-  false}``). Timed with the executor's
+  (parameters float32), one device, one microbatch. Per activation policy
+  (``--recompute``): ``full`` (the backward replays the forward) and ``none`` (the
+  forward keeps the ``jax.vjp`` residuals). Timed with the executor's
   ``profile=True`` step (each program waited for); ``mfu`` counts model FLOPs (the 3x
   rule, :func:`hetjax.runtime.flops.model_flops`), ``hfu`` the matmul FLOPs the compiled
   programs execute (recompute included; :func:`hetjax.inspect.hlo.matmul_flops`).
@@ -44,7 +43,6 @@ Runs that are not ``--smoke`` apply :func:`hetjax.gpu_flags` (``--no-gpu-flags``
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import json
 import os
 import sys
@@ -127,22 +125,9 @@ def vit_model(sizes: Sizes) -> Any:
 # -- one stage's MFU ------------------------------------------------------------------------
 
 
-def recompute_support() -> str | None:
-    """Where the recompute policy goes, if anywhere: ``"executor"`` (an ``Executor``
-    argument ``recompute``) or ``"options"`` (a ``ParallelOptions`` field)."""
-    import hetjax
-
-    if "recompute" in inspect.signature(hetjax.Executor).parameters:
-        return "executor"
-    if "recompute" in {f.name for f in dataclasses.fields(hetjax.ParallelOptions)}:
-        return "options"
-    return None
-
-
 def build_executor(cfg: Any, devices: list, policy: str | None, observers: list) -> tuple:
-    """(model, graph, one-device executor) of ``cfg`` (bf16 compute), with recompute
-    ``policy`` where the executor takes one (:func:`recompute_support`; first as one value
-    for all modules, else per module)."""
+    """(model, graph, one-device executor) of ``cfg`` (bf16 compute), every module under
+    the activation policy ``policy`` (``TrainGraph.with_recompute``)."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -152,30 +137,17 @@ def build_executor(cfg: Any, devices: list, policy: str | None, observers: list)
 
     model = MLLM(cfg, dtype=jnp.bfloat16)
     graph = model.train_graph({m: hetjax.Layout() for m in model.module_names})
-    kwargs: dict[str, Any] = dict(
+    graph = graph.with_recompute({"*": policy})
+    ex = hetjax.Executor(
+        graph,
+        model.init(jax.random.key(0)),
         devices=devices[:1],
         mode="colocated",
         microbatches=1,
         optimizer=optax.sgd(1e-4),  # no moments: the memory goes to activations
         observers=observers,
     )
-    params = model.init(jax.random.key(0))
-    where = recompute_support() if policy is not None else None
-
-    def build(value):
-        extra = {}
-        if where == "executor":
-            extra = {"recompute": value}
-        elif where == "options":
-            extra = {"options": hetjax.ParallelOptions(recompute=value)}
-        return hetjax.Executor(graph, params, **kwargs, **extra)
-
-    try:  # one policy for every module, else a policy per module
-        return model, graph, build(policy)
-    except (TypeError, ValueError):
-        if where is None:
-            raise
-        return model, graph, build({m: policy for m in model.module_names})
+    return model, graph, ex
 
 
 def stage_rows(cfg: Any, modules: tuple, batch_size: int, devices: list, policy: str | None, peak):
@@ -250,8 +222,7 @@ SECTION = {"llm": "llm_stage", "vision": "vit_stage"}
 
 def stage_sections(cfg: Any, modules: tuple, batch_size: int, devices: list, peak) -> dict:
     """Report sections (``llm_stage``, ``vit_stage``) of ``modules``' stages: their rows
-    per policy, ``none`` only where the executor supports it."""
-    supported = recompute_support()
+    per activation policy."""
     out: dict[str, Any] = {}
     for module in modules:
         enc = cfg.llm if module == "llm" else cfg.vision
@@ -263,18 +234,9 @@ def stage_sections(cfg: Any, modules: tuple, batch_size: int, devices: list, pea
                 "tokens_per_sample": cfg.seq_len if module == "llm" else cfg.vision.num_tokens,
                 "batch": batch_size,
             },
-            "recompute_argument": supported,
         }
     for policy in POLICIES:
-        if supported is None and policy != "full":
-            rows = {
-                m: {"available": False, "why": "the executor takes no recompute option"}
-                for m in modules
-            }
-        else:
-            rows = guarded(
-                stage_rows, cfg, modules, batch_size, devices, policy if supported else None, peak
-            )
+        rows = guarded(stage_rows, cfg, modules, batch_size, devices, policy, peak)
         for module in modules:
             out[SECTION[module]][policy] = rows.get(module, rows)  # or the error
     return out

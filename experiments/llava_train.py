@@ -271,8 +271,9 @@ def _plan(config: TrainConfig, devices: Sequence[Any]) -> _Run:
             raise ValueError("give the LLM's layout too, e.g. layouts={'llm': 'dp=2,tp=2,pp=2'}")
         layouts = {name: given.get(name, given["llm"]) for name in names}
         model.validate_layouts(layouts, seq_len=seq_len)
+        graph = model.train_graph(layouts, freeze=config.model.frozen)
         return hetjax.runtime.plan_run(
-            model.train_graph(layouts, freeze=config.model.frozen),
+            graph.with_recompute(p.recompute),
             num_devices=n,
             mode=mode,
             islands=islands,

@@ -122,6 +122,12 @@ class ParallelConfig:
     offload_encoder: bool = doc(
         False, "colocated: encoder params/optimizer state in host memory in the LLM phase"
     )
+    recompute: dict[str, str] = doc(
+        {},
+        "module -> activation policy: none (keep the backward's residuals), selective "
+        "(keep matmul outputs, recompute the rest) or full (replay the forward); key '*': "
+        "every module not named; empty: none everywhere",
+    )
     zero1: bool = doc(False, "shard optimizer state over each module's data-parallel ranks")
     sequence_parallel: bool = doc(
         False, "with tp > 1: activations between TP regions sharded on sequence"
@@ -236,6 +242,10 @@ _RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "parallel.peak_tflops": (lambda v: v > 0, "a positive number"),
     "parallel.islands": (lambda v: all(n >= 1 for n in v.values()), "positive device counts"),
     "parallel.layouts": (lambda v: all(k and t for k, t in v.items()), "non-empty texts"),
+    "parallel.recompute": (
+        lambda v: all(t in ("none", "selective", "full") for t in v.values()),
+        "policies none, selective or full per module",
+    ),
     "optimizer.lr": (lambda v: v > 0, "a positive number"),
     "optimizer.warmup_steps": (lambda v: v >= 0, "an integer >= 0"),
     "distributed.num_processes": (lambda v: v >= 1, "a positive integer"),
@@ -247,6 +257,7 @@ _NOT_FOR_REFERENCE = (
     "parallel.zero1",
     "parallel.sequence_parallel",
     "parallel.offload_encoder",
+    "parallel.recompute",
 )
 
 

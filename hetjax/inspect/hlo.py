@@ -318,3 +318,11 @@ def dot_output_dtypes(hlo_text: str) -> Counter:
     count: a dot in a loop body counts once). Tells whether matmuls of a mixed-precision
     program write ``bf16`` or accumulate into ``f32`` outputs."""
     return Counter(m.group(1) for line in hlo_text.splitlines() if (m := _DOT_TYPE.match(line)))
+
+
+def cost_flops(compiled: Any) -> float:
+    """XLA's ``cost_analysis()`` FLOPs of a ``jax.stages.Compiled`` (element-wise work
+    included, but a while body counted once: see :func:`matmul_flops` for trip counts)."""
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    return float(cost.get("flops", 0.0))

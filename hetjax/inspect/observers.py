@@ -1,13 +1,15 @@
 """A :class:`Recorder`: the executor observer that benchmarks and tests read a run from.
 
 It keeps what the executor's public hooks report - each stage program's compiled
-executable (HLO text, ``memory_analysis()``), how often every program was called, and
-the bytes every stage edge moved - instead of wrapping the executor's programs and
+executable (HLO text, ``memory_analysis()``), how often every program was called, the
+bytes every stage edge moved, and the most each stage's stash (what its forwards keep
+for their backwards) held at once - instead of wrapping the executor's programs and
 transfers. Pass it at construction (``hetjax.Executor(..., observers=[recorder])``).
 
 The executor calls whichever hooks an observer has, so this class needs no base class
 from :mod:`hetjax.runtime` (which :mod:`hetjax.inspect` must not import): the events are
-read by attribute (``stage``, ``program``; ``op.kind``, ``src``, ``dst``, ``nbytes``).
+read by attribute (``stage``, ``program``; ``op.kind``, ``src``, ``dst``, ``nbytes``,
+``live``).
 """
 
 from __future__ import annotations
@@ -41,6 +43,11 @@ class Recorder:
         # (from stage, to stage) in the forward direction -> bytes moved while recording,
         # activations and their gradients together
         self.moved: Counter[tuple[StageKey, StageKey]] = Counter()
+        # stage -> the most stash bytes (over all devices) / entries held at once, while
+        # recording
+        self.stash_bytes: Counter[StageKey] = Counter()
+        self.stash_entries: Counter[StageKey] = Counter()
+        self._stashed: Counter[StageKey] = Counter()
         self.recording = True
 
     def pause(self) -> None:
@@ -56,6 +63,14 @@ class Recorder:
         its own stage-to-stage copies, forward and backward."""
         return sum(n for (src, _), n in self.moved.items() if src[0] == module)
 
+    def per_step(self, count: Any, devices: dict[StageKey, int]) -> float:
+        """``count(compiled)`` (a per-device figure, e.g. FLOPs) times the stage's
+        ``devices``, summed over the recorded calls (e.g. those of one step)."""
+        return sum(
+            n * count(self.compiled[(key, kind)]) * devices[key]
+            for (key, kind), n in self.calls.items()
+        )
+
     def on_compile(self, stage: StageKey, kind: str, compiled: Any) -> None:
         self.compiles[(stage, kind)] += 1
         self.compiled.setdefault((stage, kind), compiled)
@@ -70,3 +85,10 @@ class Recorder:
             backward = event.op.kind == "SEND_B"
             edge = (event.dst, event.src) if backward else (event.src, event.dst)
             self.moved[edge] += event.nbytes
+
+    def on_stash(self, event: Any) -> None:
+        key = event.op.stage
+        self._stashed[key] += event.nbytes if event.op.kind == "F" else -event.nbytes
+        if self.recording:
+            self.stash_bytes[key] = max(self.stash_bytes[key], self._stashed[key])
+            self.stash_entries[key] = max(self.stash_entries[key], event.live)

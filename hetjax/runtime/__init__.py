@@ -16,6 +16,7 @@ from .loop import run_training as run_training
 from .lowering import Op as Op
 from .observers import Dispatch as Dispatch
 from .observers import Observer as Observer
+from .observers import Stash as Stash
 from .observers import Transfer as Transfer
 from .optim import OptimizerConfig as OptimizerConfig
 from .optim import clip_by_global_norm as clip_by_global_norm
@@ -55,6 +56,7 @@ __all__ = [
     "ProgressBar",
     "ReferenceTrainer",
     "RunPlan",
+    "Stash",
     "StepMetrics",
     "StepProfiler",
     "Summary",

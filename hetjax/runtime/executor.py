@@ -37,7 +37,7 @@ from hetjax.runtime.feed import Feed
 from hetjax.runtime.graph import TrainGraph
 from hetjax.runtime.inflight import InFlight
 from hetjax.runtime.lowering import Mode, Op, ScheduleOrder, StageKey
-from hetjax.runtime.observers import Dispatch, Observers, Transfer
+from hetjax.runtime.observers import Dispatch, Observers, Stash, Transfer
 from hetjax.runtime.optim import OptimizerConfig
 from hetjax.runtime.plan import RunPlan, plan_run
 from hetjax.runtime.programs import ParallelOptions, StageProgram
@@ -234,19 +234,22 @@ class Executor:
             if op.kind == "F":
                 x = inbox.pop((key, m), {} if prog.first else None)
                 data[(key, m)] = feed.inputs(prog, m)
-                kept = x  # what B starts from
+                kept = x  # what B starts from (recompute full: the input)
                 if not (prog.is_sink and prog.last):  # the loss stage's F runs inside B
-                    args = (params[key], x, data[(key, m)])
+                    args = (params[key], x, data[(key, m)], normalizer)
                     outbox[(key, m)] = self._run(op, prog, "fwd", args, profile)
-                    if prog.stash_frozen_output:
+                    if prog.forward_stashes:  # residuals, or a frozen encoder's output
                         outbox[(key, m)], kept = outbox[(key, m)]
                 if prog.backward:  # a forward-only stage keeps nothing for a B
                     stash[(key, m)] = kept
+                    self._observe_stash(op, kept, stash)
                 else:
                     data.pop((key, m))
             elif op.kind == "B":
                 g_out = grads_in.pop((key, m), None)
-                args = (params[key], acc[key], stash.pop((key, m)), data.pop((key, m)))
+                kept = stash.pop((key, m))
+                self._observe_stash(op, kept, stash)
+                args = (params[key], acc[key], kept, data.pop((key, m)))
                 args += (g_out, normalizer)
                 acc[key], gx, loss = self._run(op, prog, "bwd", args, profile)
                 if prog.is_sink and prog.last:
@@ -322,6 +325,11 @@ class Executor:
         link = self.links[pair]
         self._observe_transfer(op, key, src, ct, lambda: link.moved_bytes(ct, route, "backward"))
         return link.backward(ct, route)
+
+    def _observe_stash(self, op: Op, value: Any, stash: Mapping) -> None:
+        if self.observers.stash:
+            live = sum(1 for k, _ in stash if k == op.stage)
+            self.observers.on_stash(Stash(op, value, live))
 
     def _observe_transfer(self, op: Op, src: StageKey, dst: StageKey, value, nbytes) -> None:
         if self.observers.transfer:

@@ -8,9 +8,12 @@ Model FLOPs follow the usual MFU rule, per part, from the part's forward FLOPs `
   backward computes activation gradients only;
 - a frozen part with nothing trainable upstream ``F``: it runs forward only.
 
-Hardware FLOPs add what the executor really recomputes: every stage with a backward
-re-runs its forward inside it (``jax.vjp`` on the stashed input, see
-:mod:`hetjax.runtime.programs`), except the sink's last stage, whose forward only ever runs
+Hardware FLOPs add what the executor really recomputes, by the module's activation
+policy (``ModuleSpec.recompute``, see :mod:`hetjax.runtime.programs`): ``none`` nothing;
+``selective`` the weightless matmuls of attention (QK^T, PV: ``attention``) of every
+stage with a backward (element-wise work is not counted); ``full`` every stage with a
+backward re-runs its forward inside it (``jax.vjp`` on the stashed input), except the
+sink's last stage, whose forward only ever runs
 inside its backward, and a frozen first part with nothing trainable upstream under a
 trained one on the same stage (a frozen encoder under its trained projector): the
 forward keeps its output and the backward starts there
@@ -88,16 +91,19 @@ def hardware_flops(
                 out[spec.name] += attention.get(p, 0.0)
     for spec in graph.modules:
         pp = spec.layout.pp
+        replayed = forward if spec.recompute == "full" else {}
+        if spec.recompute == "selective":
+            replayed = attention
         for stage in range(pp):
             if not graph.has_backward((spec.name, stage)):
                 continue
-            if spec.name == graph.sink and stage == pp - 1:
+            if spec.name == graph.sink and stage == pp - 1 and spec.recompute != "selective":
                 continue  # its forward runs only inside its backward
-            on_stage = forward[spec.param_keys[0]] / pp
+            on_stage = replayed.get(spec.param_keys[0], 0.0) / pp
             if graph.stashes_frozen_output((spec.name, stage)):
                 on_stage = 0.0  # the backward starts after the frozen first part
             if stage == pp - 1:
-                on_stage += sum(forward[p] for p in spec.param_keys[1:])
+                on_stage += sum(replayed.get(p, 0.0) for p in spec.param_keys[1:])
             out[spec.name] += on_stage
     return out
 

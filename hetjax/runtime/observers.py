@@ -11,6 +11,8 @@ every observer's hooks, and nothing sets attributes on the executor to measure i
   arguments and outputs, host times around the call).
 - ``on_transfer(event)``: an activation or gradient crossed a stage edge or a module
   boundary (:class:`Transfer`, with the bytes its plan moves between devices).
+- ``on_stash(event)``: a stage kept what its backward starts from (F) or handed it to
+  the backward (B) (:class:`Stash`: the value and how many entries the stage holds).
 - ``on_step(step, metrics)`` / ``on_end(history)``: the host loop
   (:func:`hetjax.run_training`) read a finished step's metrics as host floats.
 """
@@ -20,6 +22,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+import jax
 
 from hetjax.runtime.lowering import Op, StageKey
 
@@ -49,6 +53,20 @@ class Transfer:
     nbytes: int  # bytes the transfer plan moves between devices, over all devices
 
 
+@dataclasses.dataclass(frozen=True)
+class Stash:
+    """A stage's stash changed: F kept ``value`` for its backward, or B took it."""
+
+    op: Op  # the F that kept it or the B that took it
+    value: Any  # the stage input (recompute full), residuals, or a frozen output
+    live: int  # entries the stage holds after the change
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of ``value`` over all devices."""
+        return sum(a.nbytes for a in jax.tree.leaves(self.value) if hasattr(a, "nbytes"))
+
+
 class Observer:
     """Base class with no-op hooks; override the ones you need."""
 
@@ -60,6 +78,9 @@ class Observer:
 
     def on_transfer(self, event: Transfer) -> None:
         """A value crossed a stage edge or module boundary."""
+
+    def on_stash(self, event: Stash) -> None:
+        """A stage's stash gained (F) or lost (B) an entry."""
 
     def on_step(self, step: int, metrics: Mapping[str, float]) -> None:
         """The host loop read step ``step``'s metrics."""
@@ -86,6 +107,7 @@ class Observers:
         self.compile = tuple(o for o in self.all if overrides(o, "on_compile"))
         self.dispatch = tuple(o for o in self.all if overrides(o, "on_dispatch"))
         self.transfer = tuple(o for o in self.all if overrides(o, "on_transfer"))
+        self.stash = tuple(o for o in self.all if overrides(o, "on_stash"))
 
     def on_compile(self, stage: StageKey, kind: str, compiled: Any) -> None:
         for o in self.compile:
@@ -98,3 +120,7 @@ class Observers:
     def on_transfer(self, event: Transfer) -> None:
         for o in self.transfer:
             o.on_transfer(event)
+
+    def on_stash(self, event: Stash) -> None:
+        for o in self.stash:
+            o.on_stash(event)

@@ -6,9 +6,22 @@ shardings from the logical-axis rules).
 
 Two choices that matter for speed and equality with the reference:
 
-- **Backward recomputes the stage forward** (``jax.vjp`` on the stashed stage input).
-  A stage keeps one input activation per in-flight microbatch, which is what 1F1B's
-  memory bound counts, instead of every intermediate of the stage.
+- **What the backward starts from is the module's activation policy**
+  (``ModuleSpec.recompute``). ``none``: the forward runs ``jax.vjp`` of the stage (under
+  the same replica vmap as the backward, so every residual carries the replica axis) and
+  returns the residuals beside the output; the backward applies them to the cotangent
+  and replays nothing. Residuals that ARE parameters (the stacked block weights a scan
+  forwards) are not returned: the backward takes them from its own parameter argument,
+  so a stash never holds a copy of the weights. ``selective``: the same, with the stage
+  function under ``jax.checkpoint(policy=dots_with_no_batch_dims_saveable)``: it saves
+  the outputs of the weight matmuls (dot_generals without batch dimensions) and
+  recomputes the element-wise ops and the attention core (QK^T, softmax, PV, whose
+  dot_generals batch over heads), as Megatron's selective recompute does. ``full``: the
+  stage keeps only its input and the backward replays the forward (``jax.vjp`` on the
+  stashed input): one input activation per in-flight microbatch, one more forward.
+  The sink's last stage runs its forward inside its backward whatever the policy (its
+  F only stashes the input), so there the policies differ only inside that one program
+  (``selective`` applies the checkpoint policy there too).
 - **Gradients stay per data-parallel replica while accumulating.** The backward maps
   the stage over the ``R`` replicas of the mesh's ``dp`` axis with ``jax.vmap(...,
   spmd_axis_name="dp")``, so its parameter gradient has a leading replica axis sharded
@@ -51,6 +64,24 @@ from hetjax.runtime.optim import OptimizerConfig, make_optimizer
 from hetjax.runtime.state import slice_stage
 
 REPLICA_AXIS = "dp"  # gradients are kept per replica of this axis until the step ends
+# Checkpoint policy of `selective`: saves dot_generals without batch dimensions (x @ W,
+# the weight matmuls) and recomputes the rest. `checkpoint_dots` would also save the
+# attention scores (batched over heads: L^2 per head), which selective recompute is
+# meant to drop.
+SELECTIVE_POLICY = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Residuals:
+    """What a ``none`` / ``selective`` forward keeps for its backward: the leaves of the
+    stage's ``jax.vjp`` function, less those that are parameters (``slots``: position in
+    the flattened vjp -> index into the stage's parameter leaves; the backward puts its
+    own parameters back there)."""
+
+    leaves: tuple[jax.Array, ...]  # [R, ...] per replica
+    tree: Any = dataclasses.field(metadata=dict(static=True))  # the vjp's treedef
+    slots: tuple[tuple[int, int], ...] = dataclasses.field(metadata=dict(static=True))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,6 +170,12 @@ class StageProgram:
         # The forward also returns the frozen first part's output, which the backward
         # starts from (TrainGraph.stashes_frozen_output): no frozen encoder recompute.
         self.stash_frozen_output = stash_frozen_output
+        self.recompute = spec.recompute
+        # The forward returns vjp residuals (none / selective) that the backward consumes.
+        # The loss stage's forward runs inside its backward, so it never does.
+        self.keeps_residuals = backward and spec.recompute != "full" and not (is_sink and self.last)
+        # The forward returns (output, what B starts from) instead of the output alone.
+        self.forward_stashes = self.keeps_residuals or stash_frozen_output
         self.trainable = spec.trainable(stage)  # part names whose parameters train here
         self.replicas = mesh.shape[REPLICA_AXIS]
         self.axes = self.slice_params({p.name: p.logical_axes() for p in spec.parts})
@@ -161,10 +198,12 @@ class StageProgram:
         self.fwd = program(self._forward, "fwd")
         # Output shardings are pinned so that step 2 sees the same input shardings as
         # step 1: nothing recompiles after the first step.
+        # Residuals are the backward's own: donated to it (a stage input is not, it may
+        # still be read by the transfer that brought it).
         self.bwd = program(
-            self._backward,
+            self._backward_residuals if self.keeps_residuals else self._backward,
             "bwd",
-            donate_argnums=(1,),
+            donate_argnums=(1, 2) if self.keeps_residuals else (1,),
             out_shardings=(self.acc_shardings, None, None),
         )
         self.zeros = program(self._zeros, "zeros", out_shardings=self.acc_shardings)
@@ -338,46 +377,101 @@ class StageProgram:
 
     # -- programs -----------------------------------------------------------------------
 
-    def _forward(self, params, x, batch):
-        if self.stash_frozen_output:  # (output, what the backward starts from)
-            h = self.apply(params, x, batch, segment="main")
-            return self.apply(params, h, batch, segment="rest"), h
-        return self.apply(params, x, batch)
+    def _forward(self, params, x, batch, normalizer):
+        """The stage output; with :attr:`forward_stashes` also what the backward starts
+        from: the frozen first part's output, or the residuals (:class:`Residuals`)."""
+        start = x
+        if self.stash_frozen_output:
+            start = self.apply(params, x, batch, segment="main")
+            if not self.keeps_residuals:
+                return self.apply(params, start, batch, segment="rest"), start
+        if not self.keeps_residuals:
+            return self.apply(params, x, batch)
+        trained, frozen = self.trainable_of(params), self._frozen_of(params)
+        own = jax.tree.leaves((trained, frozen))
+
+        def per_replica(x_r, batch_r):
+            y, vjp = self._stage_vjp(trained, frozen, x_r, batch_r, normalizer)
+            leaves, tree = jax.tree.flatten(vjp)
+            index = {id(p): i for i, p in enumerate(own)}
+            slots = tuple((j, index[id(a)]) for j, a in enumerate(leaves) if id(a) in index)
+            dropped = {j for j, _ in slots}
+            kept = tuple(a for j, a in enumerate(leaves) if j not in dropped)
+            self._residual_meta = (tree, slots)  # static: read right after the vmap
+            return y, kept
+
+        y, kept = jax.vmap(per_replica, spmd_axis_name=REPLICA_AXIS)(
+            *self._per_replica((start, batch))
+        )
+        return self._merge_replicas(y), Residuals(kept, *self._residual_meta)
 
     def _backward(self, params, acc, x, batch, g_out, normalizer):
-        r = self.replicas
-
-        def split(a):
-            return a.reshape(r, a.shape[0] // r, *a.shape[1:])
-
+        """Runs the stage forward from its stashed input under ``jax.vjp`` (``full``: a
+        replay; the loss stage in every policy: its only forward) and accumulates the
+        per-replica parameter gradient."""
         trained, frozen = self.trainable_of(params), self._frozen_of(params)
 
         def per_replica(x_r, batch_r, g_r):
-            x_diff, rebuild = self._split_input(x_r)
-
-            def f(p, xd):  # frozen parameters and undifferentiated inputs are constants
-                y = self.apply(
-                    {**frozen, **p},
-                    rebuild(xd),
-                    batch_r,
-                    per_replica=True,
-                    loss_scale=1.0 / normalizer,
-                    segment="rest" if self.stash_frozen_output else "all",
-                )
-                return y / normalizer if self.is_sink and self.last else y
-
-            y, vjp = jax.vjp(f, trained, x_diff)
+            y, vjp = self._stage_vjp(trained, frozen, x_r, batch_r, normalizer)
             cot = jnp.ones_like(y) if g_r is None else g_r
             gp, gx = vjp(cot)
             loss = y if self.is_sink and self.last else jnp.zeros((), jnp.float32)
             return gp, gx, loss
 
         gp, gx, loss = jax.vmap(per_replica, spmd_axis_name=REPLICA_AXIS)(
-            jax.tree.map(split, x), jax.tree.map(split, batch), jax.tree.map(split, g_out)
+            *self._per_replica((x, batch, g_out))
         )
-        acc = jax.tree.map(jnp.add, acc, gp)
-        gx = jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]), gx)
-        return acc, gx, jnp.sum(loss)
+        return jax.tree.map(jnp.add, acc, gp), self._merge_replicas(gx), jnp.sum(loss)
+
+    def _backward_residuals(self, params, acc, res, batch, g_out, normalizer):
+        """Applies the forward's residuals to the output cotangent (``none`` /
+        ``selective``): nothing of the forward runs again. ``batch`` and ``normalizer``
+        are unused (the residuals hold what they contributed); the signature is the
+        other backward's."""
+        del batch, normalizer
+        own = jax.tree.leaves((self.trainable_of(params), self._frozen_of(params)))
+
+        def per_replica(kept, g_r):
+            leaves, rest = [None] * (len(kept) + len(res.slots)), iter(kept)
+            for j, i in res.slots:
+                leaves[j] = own[i]
+            leaves = [next(rest) if a is None else a for a in leaves]
+            return res.tree.unflatten(leaves)(g_r)
+
+        (g_out,) = self._per_replica((g_out,))
+        gp, gx = jax.vmap(per_replica, spmd_axis_name=REPLICA_AXIS)(res.leaves, g_out)
+        zero = jnp.zeros((), jnp.float32)
+        return jax.tree.map(jnp.add, acc, gp), self._merge_replicas(gx), zero
+
+    def _stage_vjp(self, trained, frozen, x_r, batch_r, normalizer):
+        """``jax.vjp`` of one replica's stage function with respect to the trainable
+        parameters and the differentiated inputs (frozen parameters and the other inputs
+        are constants); on the sink's last stage of the loss over ``normalizer``."""
+        x_diff, rebuild = self._split_input(x_r)
+
+        def f(p, xd):
+            y = self.apply(
+                {**frozen, **p},
+                rebuild(xd),
+                batch_r,
+                per_replica=True,
+                loss_scale=1.0 / normalizer,
+                segment="rest" if self.stash_frozen_output else "all",
+            )
+            return y / normalizer if self.is_sink and self.last else y
+
+        if self.recompute == "selective":
+            f = jax.checkpoint(f, policy=SELECTIVE_POLICY)
+        return jax.vjp(f, trained, x_diff)
+
+    def _per_replica(self, trees: tuple) -> tuple:
+        """Splits the batch dimension of every leaf into ``[R, batch / R, ...]``."""
+        r = self.replicas
+        return jax.tree.map(lambda a: a.reshape(r, a.shape[0] // r, *a.shape[1:]), trees)
+
+    @staticmethod
+    def _merge_replicas(tree: Any) -> Any:
+        return jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]), tree)
 
     def _frozen_of(self, tree: dict[str, Any]) -> dict[str, Any]:
         return {k: v for k, v in tree.items() if k not in self.trainable}

@@ -153,6 +153,10 @@ class ReferenceTrainer:
         check_batch_split(b, self.microbatches, self.num_devices)
         return jax.device_put(split_microbatches(batch, self.microbatches), self._batch_sharding)
 
+    def lower(self, batch: Mapping[str, np.ndarray]) -> jax.stages.Lowered:
+        """The fused step lowered for ``batch`` (what benchmarks compare FLOPs with)."""
+        return self._step.lower(self.params, self.opt_state, self.shard_batch(batch))
+
     def step(self, batch: Mapping[str, np.ndarray]) -> StepMetrics:
         """One optimiser step; returns its metrics (read from the device when first used)."""
         self.params, self.opt_state, metrics = self._step(

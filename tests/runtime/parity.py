@@ -45,6 +45,7 @@ class Case:
     schedule: str = "1f1b"
     options: tuple[str, ...] = ()  # ParallelOptions switches to turn on
     freeze: tuple[str, ...] = ()  # modules or parts not trained (MLLM.train_graph's freeze)
+    recompute: tuple[tuple[str, str], ...] = ()  # (module or "*", activation policy)
 
     @property
     def parsed(self) -> dict[str, Layout]:
@@ -52,11 +53,29 @@ class Case:
 
 
 def case(
-    preset, mode, microbatches, schedule="1f1b", *, slow=False, options=(), freeze=(), id, **layouts
+    preset,
+    mode,
+    microbatches,
+    schedule="1f1b",
+    *,
+    slow=False,
+    options=(),
+    freeze=(),
+    recompute=None,
+    id,
+    **layouts,
 ):
-    """A ``pytest.param`` of a :class:`Case`, marked ``slow`` if asked."""
+    """A ``pytest.param`` of a :class:`Case`, marked ``slow`` if asked; ``recompute``: one
+    activation policy for every module (None: the graph's default)."""
     c = Case(
-        preset, mode, tuple(layouts.items()), microbatches, schedule, tuple(options), tuple(freeze)
+        preset,
+        mode,
+        tuple(layouts.items()),
+        microbatches,
+        schedule,
+        tuple(options),
+        tuple(freeze),
+        (("*", recompute),) if recompute else (),
     )
     return pytest.param(c, id=id, marks=[pytest.mark.slow] if slow else [])
 
@@ -103,9 +122,10 @@ def compared_keys(metrics: dict) -> list[str]:
     return sorted(k for k in metrics if k in ("loss", "grad_norm") or "_norm/" in k)
 
 
-def check_matches_reference(case: Case, ref: Reference) -> hetjax.Executor:
+def check_matches_reference(case: Case, ref: Reference, observers: tuple = ()) -> hetjax.Executor:
     """Trains ``case`` on all devices over ``ref``'s batches and checks it against ``ref``
-    (trained with the same parts frozen); returns the executor after the last step."""
+    (trained with the same parts frozen); returns the executor after the last step.
+    ``observers`` watch the executor."""
     layouts = case.parsed
     ref.model.validate_layouts(layouts, seq_len=ref.batches[0]["tokens"].shape[1])
     islands = (
@@ -113,8 +133,9 @@ def check_matches_reference(case: Case, ref: Reference) -> hetjax.Executor:
         if case.mode == "non-colocated"
         else None
     )
+    graph = ref.model.train_graph(layouts, freeze=case.freeze).with_recompute(dict(case.recompute))
     ex = hetjax.Executor(
-        ref.model.train_graph(layouts, freeze=case.freeze),
+        graph,
         ref.params,
         devices=jax.devices(),
         mode=case.mode,
@@ -123,6 +144,7 @@ def check_matches_reference(case: Case, ref: Reference) -> hetjax.Executor:
         schedule=case.schedule,
         optimizer=OPTIMIZER,
         options=hetjax.ParallelOptions(**{name: True for name in case.options}),
+        observers=observers,
     )
     got = [jax.device_get(ex.step(ref.batches[0]))]
     after_one = ex.full_params()

@@ -13,10 +13,10 @@ from models.mllm import MLLM
 FORWARD = {"vision": 100.0, "projector": 10.0, "llm": 1000.0}
 
 
-def graph(freeze, vision="dp=2,pp=2", llm="dp=2,pp=2"):
+def graph(freeze, vision="dp=2,pp=2", llm="dp=2,pp=2", recompute="full"):
     model = MLLM(get_preset("tiny"))
     layouts = {"vision": Layout.parse(vision), "llm": Layout.parse(llm)}
-    return model.train_graph(layouts, freeze=freeze)
+    return model.train_graph(layouts, freeze=freeze).with_recompute({"*": recompute})
 
 
 @pytest.mark.parametrize(
@@ -50,6 +50,17 @@ def test_hardware_flops_add_the_recomputed_forwards():
     assert flops.hardware_flops(g, FORWARD)["vision"] == 320 + 50 + 60
     full = flops.hardware_flops(graph(()), FORWARD)
     assert full == {"vision": 330 + 110, "llm": 3000 + 500}
+
+
+def test_hardware_flops_by_recompute_policy():
+    # none replays nothing; selective the attention core of every stage with a backward
+    # (the sink's last stage too: its checkpoint policy recomputes inside its one program).
+    assert flops.hardware_flops(graph((), recompute="none"), FORWARD) == flops.model_flops(
+        graph(()), FORWARD
+    )
+    attention = {"vision": 20.0, "llm": 200.0}
+    got = flops.hardware_flops(graph((), recompute="selective"), FORWARD, attention)
+    assert got == {"vision": 330 + 20, "llm": 3000 + 200}
 
 
 def test_peak_table_and_mfu():

@@ -1,0 +1,231 @@
+"""What the activation policy costs: compiled FLOPs and stash bytes per step.
+
+    python -m experiments.bench_engine --json out.json [--quick] [--steps N]
+
+Rows: recompute ``none`` / ``selective`` / ``full`` x placement ``colocated`` /
+``non-colocated`` / ``homogeneous``, each one :class:`hetjax.Executor` of the ``small``
+preset on 8 simulated CPU devices (``--quick``, for the test: ``tiny``, non-colocated
+only), global batch 16 in 4 microbatches. Layouts: colocated vision ``dp=4,tp=2`` |
+LLM ``dp=2,tp=2,pp=2``; homogeneous the same LLM, the encoder inheriting its layout on
+its first stage; non-colocated vision ``dp=4`` | LLM ``dp=2,pp=2`` on islands 4 + 4.
+Keys:
+
+- ``flops_per_step``: the matmul FLOPs of the compiled HLO of every program one step
+  calls (:func:`hetjax.inspect.hlo.matmul_flops`, which counts a while body times its
+  trip count; per device, times the stage's devices), summed over the calls.
+  ``xla_cost_analysis_flops_per_step``: the same sum of ``compiled.cost_analysis()``
+  (element-wise work too, but a while body once).
+- ``reference_flops_per_step``: the same count of the fused single-device reference
+  step (:class:`hetjax.ReferenceTrainer`, no recompute) on the same global batch and
+  microbatches; ``flops_ratio`` is ``flops_per_step`` over it.
+- ``peak_stash_bytes_per_stage``: per stage (``module/index``), the most bytes (over all
+  its devices) of what its forwards kept for their backwards at once (step 2, from the
+  executor's ``on_stash`` events, :class:`hetjax.inspect.Recorder`): stage inputs under
+  ``full``, residuals under
+  ``none`` / ``selective``; ``peak_stash_entries_per_stage`` the most entries.
+- ``step_time_s``: median wall time of steps 2..``--steps`` (CPU: indicative only).
+- ``cp_grad_reductions_per_step`` (a last row, colocated with the LLM ``dp=2,cp=2,pp=2``,
+  recompute ``none``): how many program calls of one step all-reduce parameter
+  gradients over cp (:func:`cp_grad_reductions`); the goal of issue 14 is 1 (once per
+  step with dp); today every microbatch's backward does (M per stage).
+
+Exits non-zero unless ``flops_ratio`` is at most 1.02 with ``none`` and every row's
+flops ratio orders none < full.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+DEVICES = 8
+GLOBAL_BATCH = 16
+MICROBATCHES = 4
+POLICIES = ("none", "selective", "full")
+LAYOUTS = {
+    "colocated": {"vision": "dp=4,tp=2", "llm": "dp=2,tp=2,pp=2"},
+    "non-colocated": {"vision": "dp=4", "llm": "dp=2,pp=2"},
+    "homogeneous": {"vision": "dp=8", "llm": "dp=2,tp=2,pp=2"},
+}
+# The cp row (full runs only): the colocated layouts with the LLM context parallel.
+CP_LAYOUTS = {"vision": "dp=4,tp=2", "llm": "dp=2,cp=2,pp=2"}
+NONE_GOAL = 1.02  # flops_ratio with recompute none
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+    json: str | None = None  # where to write the rows (a JSON list); None: print only
+    quick: bool = False  # the tiny preset, non-colocated rows only (for the test)
+    steps: int = 3  # steps per row (the first compiles)
+
+
+def reference_flops(work: dict) -> float:
+    """Matmul FLOPs of the fused reference step on one device."""
+    import jax
+
+    import hetjax
+    from hetjax.inspect.hlo import matmul_flops
+
+    trainer = hetjax.ReferenceTrainer(
+        work["model"].loss_sum,
+        work["params"],
+        hetjax.make_optimizer(hetjax.OptimizerConfig(total_steps=2)),
+        devices=jax.devices()[:1],
+        microbatches=MICROBATCHES,
+    )
+    return float(matmul_flops(trainer.lower(work["batches"][0]).compile().as_text()))
+
+
+def cp_grad_reductions(rec: Any, ex: Any) -> int:
+    """How often one step all-reduces parameter gradients over ``cp``: per stage with
+    cp > 1, its bwd / reduce calls whose compiled program all-reduces a non-scalar over
+    cp (a scalar: the loss); the most over stages."""
+    import math
+    from collections import Counter
+
+    from hetjax.inspect import collectives, varied_axes
+
+    counts: Counter = Counter()
+    for (key, kind), n in rec.calls.items():
+        mesh = ex.programs[key].mesh
+        if mesh.shape["cp"] == 1 or kind not in ("bwd", "reduce"):
+            continue
+        items = collectives(rec.compiled[(key, kind)].as_text(), mesh.size)
+        if any(
+            c.kind == "all-reduce"
+            and "cp" in varied_axes(c, mesh)
+            and any(math.prod(s) > 1 for s in c.shapes)
+            for c in items
+        ):
+            counts[key] += n
+    return max(counts.values(), default=0)
+
+
+def run(policy: str, placement: str, work: dict, steps: int, layouts=None) -> dict:
+    """One row: trains ``steps`` steps, counting the second step's calls; ``layouts``
+    (the cp row) instead of the placement's."""
+
+    import hetjax
+    from experiments.cli import timed_steps
+    from hetjax.inspect import Recorder
+    from hetjax.inspect.hlo import cost_flops, matmul_flops
+
+    model, batches = work["model"], work["batches"]
+    texts = layouts or LAYOUTS[placement]
+    layouts = {k: hetjax.Layout.parse(v) for k, v in texts.items()}
+    graph = model.train_graph(layouts).with_recompute({"*": policy})
+    rec = Recorder()
+    ex = hetjax.Executor(
+        graph,
+        work["params"],
+        devices=work["devices"],
+        mode=placement,
+        islands={k: l.num_devices for k, l in layouts.items()}
+        if placement == "non-colocated"
+        else None,
+        microbatches=MICROBATCHES,
+        optimizer=hetjax.OptimizerConfig(total_steps=steps),
+        observers=[rec],
+    )
+    times = timed_steps(ex, batches[:steps], rec)  # rec: the second step's calls
+    size = {key: prog.mesh.size for key, prog in ex.programs.items()}
+    compiled = rec.per_step(lambda c: matmul_flops(c.as_text()), size)
+
+    def by_stage(counts) -> dict:
+        return {f"{k[0]}/{k[1]}": v for k, v in sorted(counts.items())}
+
+    row = {
+        "recompute": policy,
+        "placement": placement,
+        "layouts": texts,
+        "flops_per_step": compiled,
+        "xla_cost_analysis_flops_per_step": rec.per_step(cost_flops, size),
+        "reference_flops_per_step": work["reference_flops"],
+        "flops_ratio": compiled / work["reference_flops"],
+        "peak_stash_bytes_per_stage": by_stage(rec.stash_bytes),
+        "peak_stash_entries_per_stage": by_stage(rec.stash_entries),
+        "step_time_s": statistics.median(times),
+    }
+    if any(l.cp > 1 for l in layouts.values()):
+        row["cp_grad_reductions_per_step"] = cp_grad_reductions(rec, ex)
+    return row
+
+
+def check(rows: list[dict]) -> list[str]:
+    bad = []
+    by = {
+        (r["placement"], r["recompute"]): r for r in rows if "cp_grad_reductions_per_step" not in r
+    }
+    for r in rows:
+        if r["recompute"] == "none" and r["flops_ratio"] > NONE_GOAL:
+            bad.append(
+                f"{r['placement']}: recompute none runs {r['flops_ratio']:.3f}x the reference's "
+                f"FLOPs (goal <= {NONE_GOAL})"
+            )
+        full = by.get((r["placement"], "full"))
+        if r["recompute"] == "none" and full and full["flops_ratio"] <= r["flops_ratio"]:
+            bad.append(f"{r['placement']}: recompute full runs no more FLOPs than none")
+    return bad
+
+
+def print_table(rows: list[dict]) -> None:
+    print(
+        f"{'placement':<14} {'recompute':<10} {'GFLOP/step':>11} {'reference':>10} {'ratio':>6}"
+        f" {'stash MiB per stage (peak, all devices)':<44} {'step s':>7}"
+    )
+    for r in rows:
+        stash = ", ".join(
+            f"{k} {v / 2**20:.2f}" for k, v in r["peak_stash_bytes_per_stage"].items()
+        )
+        where = r["placement"] + (" cp=2" if "cp_grad_reductions_per_step" in r else "")
+        print(
+            f"{where:<14} {r['recompute']:<10} {r['flops_per_step'] / 1e9:11.3f}"
+            f" {r['reference_flops_per_step'] / 1e9:10.3f} {r['flops_ratio']:6.3f}"
+            f" {stash:<44} {r['step_time_s']:7.3f}"
+        )
+
+
+def main(config: BenchConfig) -> list[dict]:
+    """Runs the rows, prints a table, writes JSON, checks the goals."""
+    from experiments.cli import finish_rows, synthetic_work
+
+    work = synthetic_work(
+        DEVICES, quick=config.quick, steps=config.steps, global_batch=GLOBAL_BATCH
+    )
+    work["reference_flops"] = reference_flops(work)
+    placements = ("non-colocated",) if config.quick else tuple(LAYOUTS)
+    t0 = time.perf_counter()
+    rows = []
+    for placement in placements:
+        for policy in POLICIES:
+            rows.append(run(policy, placement, work, config.steps))
+            print(
+                f"  measured {placement} {policy} ({time.perf_counter() - t0:.0f} s)",
+                file=sys.stderr,
+            )
+    if not config.quick:
+        rows.append(run("none", "colocated", work, config.steps, CP_LAYOUTS))
+    print_table(rows)
+    for r in rows:
+        if "cp_grad_reductions_per_step" in r:
+            print(f"cp=2: parameter gradients reduced over cp {r['cp_grad_reductions_per_step']}x")
+    finish_rows(rows, config.json, check(rows), "goal missed")
+    return rows
+
+
+if __name__ == "__main__":
+    from experiments.cli import run_bench
+
+    run_bench(
+        main,
+        BenchConfig,
+        prog="bench_engine",
+        doc=__doc__,
+        quick="tiny preset, non-colocated rows only",
+    )

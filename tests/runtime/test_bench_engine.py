@@ -1,0 +1,35 @@
+"""``python -m experiments.bench_engine --quick`` in a subprocess: the JSON rows' keys,
+and that ``full`` runs more FLOPs than ``none`` against the same fused reference (the
+subprocess itself exits non-zero unless ``none`` is within 2% of the reference)."""
+
+import pytest
+
+from tests.runtime.benchmarks import quick_rows
+
+KEYS = {
+    "recompute",
+    "placement",
+    "flops_per_step",
+    "reference_flops_per_step",
+    "flops_ratio",
+    "peak_stash_bytes_per_stage",
+}
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory):
+    return quick_rows("bench_engine", tmp_path_factory.mktemp("bench_engine"))
+
+
+@pytest.mark.slow
+def test_recompute_policies_cost_what_they_replay(rows):
+    by = {r["recompute"]: r for r in rows}
+    assert set(by) == {"none", "selective", "full"}
+    for row in rows:
+        assert KEYS <= row.keys(), KEYS - row.keys()
+    assert by["full"]["flops_ratio"] > by["selective"]["flops_ratio"] > by["none"]["flops_ratio"]
+    assert by["none"]["flops_ratio"] <= 1.02
+    # Every trained stage but the loss stage keeps something for its backward.
+    assert set(by["none"]["peak_stash_bytes_per_stage"]) == set(
+        by["full"]["peak_stash_bytes_per_stage"]
+    )
