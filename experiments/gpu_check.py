@@ -210,9 +210,8 @@ def stage_rows(cfg: Any, modules: tuple, batch_size: int, devices: list, policy:
 
 
 def inflight_guard(ex: Any, devices: list) -> dict:
-    # The executor has no public read of the guard's switch; a check script reads it
-    # (a follow-up could expose it as a property).
-    enabled = bool(ex._inflight.enabled)
+    """The executor's CPU-only in-flight guard: on for XLA:CPU, off on a GPU."""
+    enabled = ex.inflight_guard
     platform = devices[0].platform
     return {"platform": platform, "enabled": enabled, "ok": enabled == (platform == "cpu")}
 

@@ -184,6 +184,12 @@ class Executor:
         return full_params(self.graph, self.state.params)
 
     @property
+    def inflight_guard(self) -> bool:
+        """Whether dispatch waits for in-flight programs on overlapping devices
+        (:class:`~hetjax.runtime.inflight.InFlight`: XLA:CPU in one process only)."""
+        return self._inflight.enabled
+
+    @property
     def stage_ids(self) -> dict[StageKey, int]:
         return self.plan.stage_ids
 
