@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import statistics
 import time
@@ -137,9 +136,9 @@ def main(config: BenchConfig) -> list[dict]:
             f" {r['local_collective_bytes']:8d} {r['naive_cross_island_bytes']:8d}"
             f" {1e3 * r['time_s']:8.3f} {1e3 * r['naive_time_s']:8.3f}"
         )
-    if config.json:
-        with open(config.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    from experiments.cli import write_json
+
+    write_json(config.json, rows)
     bad = check(rows)
     if bad:
         raise SystemExit("done-when conditions violated:\n" + "\n".join(bad))

@@ -134,9 +134,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 paths, row["pack"], row["balance"], preset, train_steps, out
             )
             print(json.dumps(row), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    from experiments.cli import write_json
+
+    write_json(args.json, rows)
     by = {(r["pack"], r["balance"]): r for r in rows}
     failed = [
         f"data_wait_fraction {r['data_wait_fraction']:.3f} >= 0.05 (pack={r['pack']}, "

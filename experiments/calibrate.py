@@ -12,7 +12,6 @@ point, and the profile line to put in ``hetjax/plan/hardware.py``.
 from __future__ import annotations
 
 import dataclasses
-import json
 import statistics
 import time
 
@@ -74,9 +73,9 @@ def main(config: CalibrateConfig) -> dict:
         "max_rel_error": fit.max_rel_error,
         "devices": config.devices,
     }
-    if config.json:
-        with open(config.json, "w") as fh:
-            json.dump(out, fh, indent=1)
+    from experiments.cli import write_json
+
+    write_json(config.json, out)
     return out
 
 

@@ -170,12 +170,18 @@ def timed_steps(ex: Any, batches: list, recorder: Any) -> list[float]:
     return times
 
 
+def write_json(path: str | None, obj: Any) -> None:
+    """Writes ``obj`` as indented JSON to ``path``; nothing when ``path`` is empty (the
+    ``--json`` flag of every entry point)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(obj, f, indent=1)
+
+
 def finish_rows(rows: list[dict], json_path: str | None, violations: list[str], what: str) -> None:
     """A benchmark's ending: writes ``rows`` as a JSON list to ``json_path`` (if given),
     then exits non-zero with ``what`` and one line per violated condition (if any)."""
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump(rows, f, indent=1)
+    write_json(json_path, rows)
     if violations:
         raise SystemExit(f"{what}:\n" + "\n".join(violations))
 

@@ -43,7 +43,6 @@ Runs that are not ``--smoke`` apply :func:`hetjax.gpu_flags` (``--no-gpu-flags``
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import sys
 import time
@@ -440,9 +439,9 @@ def main(config: CheckConfig, devices: list | None = None) -> dict:
         print(f"  {', '.join(names)} done ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
     report["total_s"] = time.perf_counter() - t0
     print_table(report)
-    if config.json:
-        with open(config.json, "w") as f:
-            json.dump(report, f, indent=1)
+    from experiments.cli import write_json
+
+    write_json(config.json, report)
     return report
 
 

@@ -98,9 +98,9 @@ def main(argv: list[str] | None = None) -> dict:
         "heldout_records": len(records),
     }
     print(json.dumps(result, indent=1))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    from experiments.cli import write_json
+
+    write_json(args.json, result)
     return result
 
 

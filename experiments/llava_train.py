@@ -534,11 +534,14 @@ def _hooks(
     counts = run.model.num_params()
     over = f" over {processes} processes" if processes > 1 else ""
     params = ", ".join(f"{k} {v:,}" for k, v in counts.items())
+    # Without --seq-len the length comes from the model (a preset, or an HF config's
+    # max_position_embeddings capped at 2048): say so, as it sets the memory of a step.
+    seq_from = "" if config.model.seq_len else " (the model's; --seq-len sets it)"
     summary = {
         "model": f"{run.model.config.name}: {sum(counts.values()):,} params ({params})",
         "devices": f"{len(devices)} x {devices[0].platform}{over}",
         "layout": run.layout_text,
-        "batch": f"{config.data.global_batch} samples x {run.seq_len} tokens, "
+        "batch": f"{config.data.global_batch} samples x {run.seq_len} tokens{seq_from}, "
         f"{run.plan.microbatches if run.plan else config.parallel.microbatches} microbatch(es), "
         f"{config.model.dtype}",
         "data": _AtEnd(stream.summary),  # skip and truncation counts, read at the end

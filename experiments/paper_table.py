@@ -22,7 +22,6 @@ and reports where non-colocated starts to beat colocated.
 from __future__ import annotations
 
 import dataclasses
-import json
 
 GPUS = 256
 IMAGE_SHARE = 0.5  # image tokens per sample, as a share of the sequence
@@ -204,9 +203,9 @@ def main(config: TableConfig) -> dict:
         out["context_sweep"] = ctx
         plot(config.plot, rows, reg, ctx)
         print(f"plot: {config.plot}")
-    if config.json:
-        with open(config.json, "w") as f:
-            json.dump(out, f, indent=1)
+    from experiments.cli import write_json
+
+    write_json(config.json, out)
     return out
 
 

@@ -16,7 +16,6 @@ samples), what a Megatron user runs at this scale; ``--images``
 from __future__ import annotations
 
 import dataclasses
-import json
 
 TOKENS_PER_STEP = 2**22
 RUN_BATCH = 32  # --model: llava_train's default global batch
@@ -131,9 +130,9 @@ def main(config: PlanConfig) -> dict:
         "gain_pct": result.gain_pct,
         "search_seconds": result.seconds,
     }
-    if config.json:
-        with open(config.json, "w") as f:
-            json.dump(out, f, indent=1)
+    from experiments.cli import write_json
+
+    write_json(config.json, out)
     return out
 
 

@@ -86,6 +86,7 @@ def test_init_from_in_a_parallel_layout_gives_the_reference_losses(runs):
         check_ok(out[name][0])
         assert [r["step"] for r in out[name][1]] == [0, 1, 2], name
     assert "init: vision, projector, llm from" in out["parallel"][0].stdout
+    assert "16 samples x 64 tokens, " in out["parallel"][0].stdout  # --seq-len given
     ref = [r["loss"] for r in out["reference"][1]]
     np.testing.assert_allclose([r["loss"] for r in out["parallel"][1]], ref, rtol=1e-5)
     assert len(set(ref)) == 3  # it trains

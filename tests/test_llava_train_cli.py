@@ -87,6 +87,8 @@ def test_tiny_run_writes_metrics_and_summary(runs):
     stdout = results["tiny_a"].stdout
     assert "hetjax run summary" in stdout
     assert "tiny" in stdout and "2 x cpu" in stdout
+    # No --seq-len: the summary says the length is the model's own.
+    assert "8 samples x 64 tokens (the model's; --seq-len sets it)" in stdout
     assert "loss (first -> last)" in stdout and "throughput" in stdout
     # FLOPs always; no MFU on CPU without a peak (the table knows accelerators only).
     assert all(FLOP_KEYS <= row.keys() and "mfu" not in row for row in rows["tiny_a"])
