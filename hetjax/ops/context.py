@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -39,14 +40,19 @@ class ParallelContext:
     routed: frozenset[str] = frozenset()
     sequence_parallel: bool = False  # Megatron SP: residual stream split on sequence over tp
 
-    def positions(self, seq_len: int) -> np.ndarray:
+    def positions(self, seq_len: int) -> np.ndarray | jax.Array:
         """Original position of each stored sequence element. With ``cp > 1`` sequences
-        are stored in the load-balanced zigzag order (see ``hetjax.meshes.sequence``)."""
+        are stored in the load-balanced zigzag order (see ``hetjax.meshes.sequence``).
+        Inside a region manual over cp (:func:`cp_is_manual`) ``seq_len`` is this rank's
+        block and the result is its slice of the zigzag order (a traced array)."""
         if self.cp == 1:
             return np.arange(seq_len)
         from hetjax.meshes.sequence import zigzag_permutation
 
-        return zigzag_permutation(seq_len, self.cp)
+        if not cp_is_manual():
+            return zigzag_permutation(seq_len, self.cp)
+        ranks = jnp.asarray(zigzag_permutation(seq_len * self.cp, self.cp)).reshape(self.cp, -1)
+        return ranks[jax.lax.axis_index("cp")]
 
     def _size(self, axis: str) -> int:
         return 1 if self.mesh is None else self.mesh.shape[axis]
@@ -96,6 +102,13 @@ def parallel_context(
         yield ctx
     finally:
         _CURRENT.reset(token)
+
+
+def cp_is_manual(axis: str = "cp") -> bool:
+    """Whether the code being traced runs per ``axis`` rank: inside a ``shard_map`` manual
+    over it (the stage programs' once-per-step CP reduction, ``hetjax.runtime.programs``).
+    Ops that would ``shard_map`` over cp then call their per-rank kernels directly."""
+    return axis in jax.sharding.get_abstract_mesh().manual_axes
 
 
 def current() -> ParallelContext | None:

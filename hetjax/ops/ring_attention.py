@@ -52,6 +52,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from hetjax.meshes.sequence import inverse_permutation, zigzag_permutation
+from hetjax.ops.context import cp_is_manual
 from hetjax.ops.ring_kernels import (
     _allgather_kernel,
     _ring_backward_kernel,
@@ -178,18 +179,23 @@ def ring_attention(
     if cp == 1 and (dense_at_cp1 or mesh is None or cp_axis not in mesh.axis_names):
         return causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, positions, segment_ids=segment_ids)
 
-    batch_axes = tuple(batch_axes or ())
+    # Inside a region already manual over cp (the stage programs' per-rank backward) the
+    # arrays are this rank's block: the kernels run directly, with no shard_map.
+    manual = cp_is_manual(cp_axis)
+    batch_axes = () if manual else tuple(batch_axes or ())
     _check_axes(mesh, (*batch_axes, head_axis), "batch/head")
     n_batch = math.prod(_axis_size(mesh, a) for a in batch_axes)
     tp = _axis_size(mesh, head_axis)
     problems = []
-    if seq % cp:
+    if seq % cp and not manual:
         problems.append(f"sequence length {seq} over {cp_axis}={cp}")
-    if zigzag and seq % (2 * cp):
+    if zigzag and manual and seq % 2:
+        problems.append(f"zigzag needs this rank's block of {seq} tokens to be even")
+    if zigzag and not manual and seq % (2 * cp):
         problems.append(f"zigzag needs sequence length {seq} divisible by 2*cp={2 * cp}")
     if b % n_batch:
         problems.append(f"batch {b} over {batch_axes}={n_batch}")
-    if h % tp:
+    if h % tp and not manual:
         problems.append(f"{h} query heads over {head_axis}={tp}")
     if problems:
         raise ValueError(
@@ -211,6 +217,16 @@ def ring_attention(
     in_specs = (x_spec, x_spec, x_spec, pos_spec, pos_spec)
     positions = tag(positions, segment_ids)
 
+    kw = dict(axis=cp_axis, cp=cp, zigzag=zigzag)
+    if manual:
+        if impl == "allgather":
+            return _allgather_kernel(
+                q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, positions, positions, axis=cp_axis
+            )
+        fwd = functools.partial(_ring_forward_kernel, **kw)
+        bwd = functools.partial(_ring_backward_kernel, **kw)
+        return _ring_vjp(fwd, bwd)(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, positions)
+
     if impl == "allgather":
         fn = jax.shard_map(
             functools.partial(_allgather_kernel, axis=cp_axis),
@@ -220,7 +236,6 @@ def ring_attention(
         )
         return fn(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, positions, positions)
 
-    kw = dict(axis=cp_axis, cp=cp, zigzag=zigzag)
     # check_vma=False: both kernels are differentiated by the custom VJP below, never by
     # shard_map's transpose, so the varying-axes types serve no purpose here; and under
     # ``jax.vmap(..., spmd_axis_name="dp")`` (the executor's per-replica backward) the
@@ -239,6 +254,12 @@ def ring_attention(
         out_specs=(x_spec,) * 3,
         check_vma=False,
     )
+    return _ring_vjp(fwd, bwd)(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, positions)
+
+
+def _ring_vjp(fwd, bwd):
+    """The ring as a function with its custom VJP (K/V and their gradients go round
+    again in the backward), from its forward and backward kernels."""
 
     @jax.custom_vjp
     def ring(q, k, v, pos):
@@ -254,4 +275,4 @@ def ring_attention(
         return dq, dk, dv, jax.tree.map(lambda _: None, pos)
 
     ring.defvjp(ring_fwd, ring_bwd)
-    return ring(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, positions)
+    return ring

@@ -43,6 +43,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
+from hetjax.ops.context import cp_is_manual
+
 __all__ = [
     "Routed",
     "exchange_routed",
@@ -186,7 +188,11 @@ def merge_routed(
     ``h_BxLxD`` and ``is_slot_BxL`` are in storage (zigzag) order, sharded over
     ``cp_axis`` on dim 1; ``routed_BxRKxD`` comes from :func:`gather_routes` and is
     sharded over ``cp_axis`` on dim 1 too. No collective: every rank reads its own block.
+    Inside a region manual over cp (:func:`hetjax.ops.context.cp_is_manual`) the arrays
+    are that block already and the merge runs directly.
     """
+    if cp_is_manual(cp_axis):
+        return merge_modality_tokens(h_BxLxD, is_slot_BxL, routed_BxRKxD)
     batch = tuple(batch_axes) if batch_axes else None
     x_spec = PartitionSpec(batch, cp_axis, None)
     fn = jax.shard_map(

@@ -55,7 +55,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from hetjax.meshes import BATCH_AXES, activation_sharding, param_shardings, sequence_axes
-from hetjax.ops.context import parallel_context
+from hetjax.ops.context import cp_is_manual, parallel_context
 from hetjax.ops.token_routing import Routed
 from hetjax.runtime.graph import ModuleSpec
 from hetjax.runtime.jitted import Program
@@ -64,6 +64,7 @@ from hetjax.runtime.optim import OptimizerConfig, make_optimizer
 from hetjax.runtime.state import slice_stage
 
 REPLICA_AXIS = "dp"  # gradients are kept per replica of this axis until the step ends
+CP_AXIS = "cp"  # and, where the stage runs per cp rank (StageProgram.cp_local), of this one
 # Checkpoint policy of `selective`: saves dot_generals without batch dimensions (x @ W,
 # the weight matmuls) and recomputes the rest. `checkpoint_dots` would also save the
 # attention scores (batched over heads: L^2 per head), which selective recompute is
@@ -108,6 +109,30 @@ def zero1_sharding(sharding: NamedSharding, shape: tuple[int, ...]) -> NamedShar
             spec[i] = axes
             return NamedSharding(mesh, P(*spec))
     return sharding
+
+
+def cp_local(
+    spec: ModuleSpec, mesh: Mesh, *, is_sink: bool, options: ParallelOptions, moe: bool
+) -> bool:
+    """Whether a stage's programs run per cp rank (gradients reduced over cp once per
+    step, in ``reduce``). Yes for a context-parallel loss module (the LLM) whose data
+    arrives split over cp. Not for: an encoder with cp > 1 (it gets whole inputs and
+    splits its tokens itself, so GSPMD all-reduces its gradients over cp in every
+    backward), expert parallelism (its token dispatch ``shard_map`` s over cp itself),
+    tensor parallelism (XLA's SPMD partitioner aborts on these programs with tp > 1
+    auto inside the cp-manual region: ``spmd_partitioner_util.cc`` "Check failed:
+    partition_group_list.num_replica_groups() * ..."; so sequence parallelism, which
+    needs tp > 1, is out too), and MoE layers even
+    at ep = 1 (capacity and balancing statistics are taken over all of a replica's
+    tokens, not one rank's)."""
+    return (
+        mesh.shape[CP_AXIS] > 1
+        and is_sink
+        and bool(spec.seq_inputs)
+        and mesh.shape["ep"] == 1
+        and mesh.shape["tp"] == 1
+        and not moe
+    )
 
 
 def put_global(value: Any, sharding: NamedSharding) -> jax.Array:
@@ -179,11 +204,17 @@ class StageProgram:
         self.trainable = spec.trainable(stage)  # part names whose parameters train here
         self.replicas = mesh.shape[REPLICA_AXIS]
         self.axes = self.slice_params({p.name: p.logical_axes() for p in spec.parts})
+        moe = any(
+            "router" in jax.tree_util.keystr(k) for k, _ in jax.tree.leaves_with_path(self.axes)
+        )
+        self.cp_local = cp_local(spec, mesh, is_sink=is_sink, options=options, moe=moe)
+        # Accumulator axes before the parameter's own: [R] or, per cp rank, [R, cp].
+        self.acc_axes = (REPLICA_AXIS, CP_AXIS) if self.cp_local else (REPLICA_AXIS,)
         self.param_shardings = param_shardings(self.axes, mesh)
         self.replicated = NamedSharding(mesh, P())
         self.devices = frozenset(mesh.devices.flat)
         self.acc_shardings = jax.tree.map(
-            lambda s: NamedSharding(mesh, P(REPLICA_AXIS, *s.spec)),
+            lambda s: NamedSharding(mesh, P(*self.acc_axes, *s.spec)),
             self.trainable_of(self.param_shardings),
         )
         if isinstance(optimizer, OptimizerConfig):
@@ -366,7 +397,7 @@ class StageProgram:
         column-parallel matmul."""
         sp = self.options.sequence_parallel and self.mesh.shape["tp"] > 1
         seq = sequence_axes(self.mesh, tp=sp)
-        if seq is None:
+        if seq is None or cp_is_manual():  # per cp rank (cp_local): the block is local
             return None
         return activation_sharding(self.mesh, h.ndim, batch_axes=batch_axes, sequence=seq)
 
@@ -387,41 +418,55 @@ class StageProgram:
                 return self.apply(params, start, batch, segment="rest"), start
         if not self.keeps_residuals:
             return self.apply(params, x, batch)
-        trained, frozen = self.trainable_of(params), self._frozen_of(params)
-        own = jax.tree.leaves((trained, frozen))
 
-        def per_replica(x_r, batch_r):
-            y, vjp = self._stage_vjp(trained, frozen, x_r, batch_r, normalizer)
-            leaves, tree = jax.tree.flatten(vjp)
-            index = {id(p): i for i, p in enumerate(own)}
-            slots = tuple((j, index[id(a)]) for j, a in enumerate(leaves) if id(a) in index)
-            dropped = {j for j, _ in slots}
-            kept = tuple(a for j, a in enumerate(leaves) if j not in dropped)
-            self._residual_meta = (tree, slots)  # static: read right after the vmap
-            return y, kept
+        def replicas(trained, frozen, start, batch):
+            own = jax.tree.leaves((trained, frozen))
 
-        y, kept = jax.vmap(per_replica, spmd_axis_name=REPLICA_AXIS)(
-            *self._per_replica((start, batch))
+            def per_replica(x_r, batch_r):
+                y, vjp = self._stage_vjp(trained, frozen, x_r, batch_r, normalizer)
+                leaves, tree = jax.tree.flatten(vjp)
+                index = {id(p): i for i, p in enumerate(own)}
+                slots = tuple((j, index[id(a)]) for j, a in enumerate(leaves) if id(a) in index)
+                dropped = {j for j, _ in slots}
+                kept = tuple(a for j, a in enumerate(leaves) if j not in dropped)
+                self._residual_meta = (tree, slots)  # static: read right after the vmap
+                return y, kept
+
+            y, kept = jax.vmap(per_replica, spmd_axis_name=REPLICA_AXIS)(
+                *self._per_replica((start, batch))
+            )
+            return self._merge_replicas(y), self._per_rank(kept)
+
+        data = (start, batch)
+        y, kept = self._cp_map(replicas, data, (P(None, CP_AXIS), P(None, CP_AXIS)))(
+            self.trainable_of(params), self._frozen_of(params), *data
         )
-        return self._merge_replicas(y), Residuals(kept, *self._residual_meta)
+        return y, Residuals(kept, *self._residual_meta)
 
     def _backward(self, params, acc, x, batch, g_out, normalizer):
         """Runs the stage forward from its stashed input under ``jax.vjp`` (``full``: a
         replay; the loss stage in every policy: its only forward) and accumulates the
         per-replica parameter gradient."""
-        trained, frozen = self.trainable_of(params), self._frozen_of(params)
 
-        def per_replica(x_r, batch_r, g_r):
-            y, vjp = self._stage_vjp(trained, frozen, x_r, batch_r, normalizer)
-            cot = jnp.ones_like(y) if g_r is None else g_r
-            gp, gx = vjp(cot)
-            loss = y if self.is_sink and self.last else jnp.zeros((), jnp.float32)
-            return gp, gx, loss
+        def replicas(trained, frozen, x, batch, g_out):
+            def per_replica(x_r, batch_r, g_r):
+                y, vjp = self._stage_vjp(trained, frozen, x_r, batch_r, normalizer)
+                cot = jnp.ones_like(y) if g_r is None else g_r
+                gp, gx = vjp(cot)
+                loss = y if self.is_sink and self.last else jnp.zeros((), jnp.float32)
+                return gp, gx, loss
 
-        gp, gx, loss = jax.vmap(per_replica, spmd_axis_name=REPLICA_AXIS)(
-            *self._per_replica((x, batch, g_out))
-        )
-        return jax.tree.map(jnp.add, acc, gp), self._merge_replicas(gx), jnp.sum(loss)
+            gp, gx, loss = jax.vmap(per_replica, spmd_axis_name=REPLICA_AXIS)(
+                *self._per_replica((x, batch, g_out))
+            )
+            return self._per_rank(gp), self._merge_replicas(gx), self._per_rank(jnp.sum(loss))
+
+        data = (x, batch, g_out)
+        x_diff = self._split_input(x)[0]
+        gp, gx, loss = self._cp_map(
+            replicas, data, (P(None, CP_AXIS), self._seq_specs(x_diff), P(CP_AXIS))
+        )(self.trainable_of(params), self._frozen_of(params), *data)
+        return jax.tree.map(jnp.add, acc, gp), gx, jnp.sum(loss)
 
     def _backward_residuals(self, params, acc, res, batch, g_out, normalizer):
         """Applies the forward's residuals to the output cotangent (``none`` /
@@ -429,19 +474,28 @@ class StageProgram:
         are unused (the residuals hold what they contributed); the signature is the
         other backward's."""
         del batch, normalizer
-        own = jax.tree.leaves((self.trainable_of(params), self._frozen_of(params)))
 
-        def per_replica(kept, g_r):
-            leaves, rest = [None] * (len(kept) + len(res.slots)), iter(kept)
-            for j, i in res.slots:
-                leaves[j] = own[i]
-            leaves = [next(rest) if a is None else a for a in leaves]
-            return res.tree.unflatten(leaves)(g_r)
+        def replicas(trained, frozen, kept, g_out):
+            own = jax.tree.leaves((trained, frozen))
 
-        (g_out,) = self._per_replica((g_out,))
-        gp, gx = jax.vmap(per_replica, spmd_axis_name=REPLICA_AXIS)(res.leaves, g_out)
+            def per_replica(kept, g_r):
+                leaves, rest = [None] * (len(kept) + len(res.slots)), iter(kept)
+                for j, i in res.slots:
+                    leaves[j] = own[i]
+                leaves = [next(rest) if a is None else a for a in leaves]
+                return res.tree.unflatten(leaves)(g_r)
+
+            kept = self._of_rank(kept)
+            (g_out,) = self._per_replica((g_out,))
+            gp, gx = jax.vmap(per_replica, spmd_axis_name=REPLICA_AXIS)(kept, g_out)
+            return self._per_rank(gp), self._merge_replicas(gx)
+
+        data = (res.leaves, g_out)
+        gp, gx = self._cp_map(replicas, data, (P(None, CP_AXIS), P(None, CP_AXIS)))(
+            self.trainable_of(params), self._frozen_of(params), *data
+        )
         zero = jnp.zeros((), jnp.float32)
-        return jax.tree.map(jnp.add, acc, gp), self._merge_replicas(gx), zero
+        return jax.tree.map(jnp.add, acc, gp), gx, zero
 
     def _stage_vjp(self, trained, frozen, x_r, batch_r, normalizer):
         """``jax.vjp`` of one replica's stage function with respect to the trainable
@@ -463,6 +517,52 @@ class StageProgram:
         if self.recompute == "selective":
             f = jax.checkpoint(f, policy=SELECTIVE_POLICY)
         return jax.vjp(f, trained, x_diff)
+
+    def _cp_map(self, fn, data: tuple, out_specs: tuple):
+        """``fn(trained, frozen, *data)`` as it is, or (:attr:`cp_local`) per cp rank: in
+        a ``shard_map`` manual over cp only (dp, ep and tp stay GSPMD's, the replica
+        vmap runs inside), every leaf of ``data`` with a sequence axis split on dim 1
+        (:meth:`_seq_specs`), parameters whole on every rank. ``fn`` differentiates
+        inside, so a parameter's cotangent is this rank's partial sum: no psum over cp.
+        ``check_vma=False``: nothing here is differentiated through the ``shard_map``
+        itself (the ring's custom VJP passes its own cotangents around)."""
+        if not self.cp_local:
+            return fn
+        return jax.shard_map(
+            fn,
+            mesh=self.mesh,
+            in_specs=(P(), P(), *(self._seq_specs(d) for d in data)),
+            out_specs=out_specs,
+            axis_names=frozenset({CP_AXIS}),
+            check_vma=False,
+        )
+
+    def _seq_specs(self, tree: Any) -> Any:
+        """``shard_map`` specs of stage data: split over cp on dim 1 for activations,
+        their cotangents, residuals (``[R, cp, ...]``, :meth:`_per_rank`), routed tokens
+        and the batch's ``seq_inputs``; whole on every rank otherwise."""
+        split, whole = P(None, CP_AXIS), P()
+        if tree is None:
+            return whole
+        if isinstance(tree, dict):  # a batch, or a first stage's link inputs
+            return {
+                k: split if isinstance(v, Routed) or k in self.spec.seq_inputs else whole
+                for k, v in tree.items()
+            }
+        return split
+
+    def _per_rank(self, tree: Any) -> Any:
+        """Inside :meth:`_cp_map`: a cp axis of size 1 after the replica axis (a scalar
+        gets one leading axis), so the rank's partial gradient leaves as ``[R, cp, ...]``."""
+        if not self.cp_local:
+            return tree
+        return jax.tree.map(lambda a: a[None] if a.ndim == 0 else a[:, None], tree)
+
+    def _of_rank(self, tree: Any) -> Any:
+        """Inverse of :meth:`_per_rank` on ``[R, 1, ...]`` leaves."""
+        if not self.cp_local:
+            return tree
+        return jax.tree.map(lambda a: a[:, 0], tree)
 
     def _per_replica(self, trees: tuple) -> tuple:
         """Splits the batch dimension of every leaf into ``[R, batch / R, ...]``."""
@@ -495,13 +595,16 @@ class StageProgram:
         return jax.eval_shape(self.slice_params, full)
 
     def _zeros(self):
+        lead = tuple(self.mesh.shape[a] for a in self.acc_axes)
         return jax.tree.map(
-            lambda s: jnp.zeros((self.replicas, *s.shape), jnp.float32),
+            lambda s: jnp.zeros((*lead, *s.shape), jnp.float32),
             self._abstract_trainable(),
         )
 
     def _reduce(self, acc):
-        grads = jax.tree.map(lambda a: jnp.sum(a, axis=0), acc)  # the one DP reduction
+        # The one DP (x CP) reduction of the step.
+        lead = tuple(range(len(self.acc_axes)))
+        grads = jax.tree.map(lambda a: jnp.sum(a, axis=lead), acc)
         return grads, sqnorms_by_key(grads)
 
     def _update(self, params, opt_state, grads, global_norm):
