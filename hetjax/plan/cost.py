@@ -39,7 +39,8 @@ class Workload:
     act_bytes: int = BF16  # bytes per activation element (BF16 2, FP32 4)
     full_attention: bool = False  # kernels compute the masked half too (hetjax's XLA attention)
     fused_columns: bool = True  # one TP gradient reduction per block region (Megatron)
-    replica_grads_per_microbatch: bool = False  # cp/ep gradient sums in every backward (hetjax)
+    # hetjax's engine: ep (and cp, but a dense tp=1 LLM's) gradient sums in every backward
+    replica_grads_per_microbatch: bool = False
 
     @property
     def tokens(self) -> int:

@@ -95,10 +95,13 @@ def module_stages(
         fused_columns: The backward all-reduces one input gradient per block region
             (Megatron fuses QKV and gate/up); False: one per column-parallel matrix
             (``shape.column_mats``), as XLA does for separate weights.
-        replica_grads_per_microbatch: Gradients of parameters replicated over the cp (and
-            ep) ranks are summed inside every microbatch's backward, as GSPMD does in
-            hetjax's stage programs, and only the dp ranks reduce once per step; False:
-            one reduction over dp x cp per step (Megatron).
+        replica_grads_per_microbatch: hetjax's stage programs: gradients of parameters
+            replicated over the ep ranks, and over the cp ranks of a module the engine
+            does not run per cp rank, are summed inside every microbatch's backward (as
+            GSPMD does), and only the rest reduce once per step. A dense loss module
+            (``vocab`` > 0) with tp = 1 runs per cp rank (``StageProgram.cp_local``):
+            its gradients are reduced over dp x cp once per step. False: one reduction
+            over dp x cp per step everywhere (Megatron).
 
     Returns:
         One :class:`StageCost` per stage.
@@ -165,7 +168,9 @@ def module_stages(
         params -= experts * (1 - 1 / ep)  # held: the dense part and 1 / ep of the experts
         group = dp * cp
         grads = params / tp * FP32
-        sync = 1 if cp_redundant else cp * (ep if moe else 1)
+        # What hetjax's engine sums in the backward (see replica_grads_per_microbatch).
+        cp_local = vocab > 0 and tp == 1 and shape.experts <= 1
+        sync = 1 if cp_redundant or cp_local else cp * (ep if moe else 1)
         if replica_grads_per_microbatch and sync > 1:
             dense = (params - experts / ep) / tp * FP32
             backward += collective_time("all-reduce", dense, sync, crosses=cp_x, hw=hw)

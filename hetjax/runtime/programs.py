@@ -94,13 +94,17 @@ class ParallelOptions:
     skip_nonfinite: bool = False  # a step whose global gradient norm is NaN/inf: no update
 
 
-def zero1_sharding(sharding: NamedSharding, shape: tuple[int, ...]) -> NamedSharding:
+def zero1_sharding(
+    sharding: NamedSharding, shape: tuple[int, ...], axes: tuple[str, ...] = BATCH_AXES
+) -> NamedSharding:
     """``sharding`` with its first unsharded, evenly divisible dimension split over the
-    data-parallel axes (ZeRO-1). Leaves that cannot be split stay as they are."""
+    data-parallel ``axes`` (ZeRO-1; a stage run per cp rank adds cp, as Megatron's
+    distributed optimizer shards over dp x cp). Leaves that cannot be split stay as
+    they are."""
     mesh = sharding.mesh
     spec = list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
     used = {a for entry in spec if entry for a in ((entry,) if isinstance(entry, str) else entry)}
-    axes = tuple(a for a in BATCH_AXES if a not in used and mesh.shape[a] > 1)
+    axes = tuple(a for a in axes if a not in used and mesh.shape[a] > 1)
     size = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
     if size == 1:
         return sharding
@@ -238,12 +242,13 @@ class StageProgram:
             out_shardings=(self.acc_shardings, None, None),
         )
         self.zeros = program(self._zeros, "zeros", out_shardings=self.acc_shardings)
-        # ZeRO-1: reduced gradients and optimiser moments split over dp, so the one DP
-        # reduction is a reduce-scatter and the update's output an all-gather.
+        # ZeRO-1: reduced gradients and optimiser moments split over dp (x cp, with
+        # cp_local), so the one reduction is a reduce-scatter and the update's output an
+        # all-gather.
         self.grad_shardings = self.trainable_of(self.param_shardings)
         if options.zero1:
             self.grad_shardings = jax.tree.map(
-                lambda sh, a: zero1_sharding(sh, a.shape),
+                lambda sh, a: zero1_sharding(sh, a.shape, BATCH_AXES + self.acc_axes[1:]),
                 self.grad_shardings,
                 self._abstract_trainable(),
             )
@@ -602,9 +607,11 @@ class StageProgram:
         )
 
     def _reduce(self, acc):
-        # The one DP (x CP) reduction of the step.
-        lead = tuple(range(len(self.acc_axes)))
-        grads = jax.tree.map(lambda a: jnp.sum(a, axis=lead), acc)
+        # The one DP (x CP) reduction of the step. [R, cp, ...] is first viewed as
+        # [R * cp, ...] (split over dp x cp: no data moves), so the sum is one collective
+        # over the dp x cp group, not one over cp and another over dp.
+        n = len(self.acc_axes)
+        grads = jax.tree.map(lambda a: jnp.sum(a.reshape(-1, *a.shape[n:]), axis=0), acc)
         return grads, sqnorms_by_key(grads)
 
     def _update(self, params, opt_state, grads, global_norm):

@@ -17,7 +17,7 @@ program's compiled HLO and how often the step called it. Per stage:
   reduce program: the DP reduction),
   within 10% for every kind that carries more than 1% of the stage's bytes.
 
-Ten module layouts over five executors (TP, CP, PP, EP, ZeRO-1; colocated,
+Twelve module layouts over six executors (TP, CP, PP, EP, ZeRO-1; colocated,
 non-colocated, homogeneous); the first runs by default, the others are ``slow``.
 """
 
@@ -41,6 +41,8 @@ CASES = {
     "colocated_tp_pp": ("tiny", "colocated", "dp=8", "dp=2,tp=2,pp=2", False),
     "noncolocated_pp_zero1": ("tiny", "non-colocated", "dp=2,pp=2", "dp=2,tp=2", True),
     "colocated_cp": ("tiny", "colocated", "dp=4,tp=2", "dp=2,cp=2,tp=2", False),
+    # tp = 1: the LLM runs per cp rank, its gradients reduced over dp x cp once per step
+    "colocated_cp_pp": ("tiny", "colocated", "dp=8", "dp=2,cp=2,pp=2", False),
     "homogeneous_tp": ("tiny", "homogeneous", None, "dp=4,tp=2", False),
     "noncolocated_ep": ("tiny-moe", "non-colocated", "dp=4", "dp=4,ep=4", False),
 }
@@ -79,7 +81,7 @@ def measure(name: str) -> tuple[dict, dict]:
         act_bytes=4,
         full_attention=True,  # XLA's attention computes the masked half
         fused_columns=False,  # separate q, k, v, gate, up weights
-        replica_grads_per_microbatch=True,  # GSPMD sums cp/ep gradients in the backward
+        replica_grads_per_microbatch=True,  # the engine's: see hetjax.plan.stage
     )
     est = estimate(cfg, plan, work, "cpu")
     compiled: dict = {}

@@ -1,6 +1,7 @@
 """``python -m experiments.bench_engine --quick`` in a subprocess: the JSON rows' keys,
 and that ``full`` runs more FLOPs than ``none`` against the same fused reference (the
-subprocess itself exits non-zero unless ``none`` is within 2% of the reference)."""
+subprocess itself exits non-zero unless ``none`` is within 2% of the reference), and
+that the cp row reduces parameter gradients over cp once per step."""
 
 import pytest
 
@@ -23,7 +24,9 @@ def rows(tmp_path_factory):
 
 @pytest.mark.slow
 def test_recompute_policies_cost_what_they_replay(rows):
-    by = {r["recompute"]: r for r in rows}
+    cp_rows = [r for r in rows if "cp_grad_reductions_per_step" in r]
+    assert [r["cp_grad_reductions_per_step"] for r in cp_rows] == [1]  # once per step
+    by = {r["recompute"]: r for r in rows if r not in cp_rows}
     assert set(by) == {"none", "selective", "full"}
     for row in rows:
         assert KEYS <= row.keys(), KEYS - row.keys()
