@@ -30,6 +30,22 @@ Two choices that matter for speed and equality with the reference:
   non-expert weights are summed over ``ep`` within the microbatch.)
   :meth:`StageProgram.reduce` sums that axis once per step: one DP reduction per
   parameter per step, whatever the microbatch count.
+- **And per context-parallel rank** (:func:`cp_local`: the dense LLM with tp = 1). Under
+  GSPMD a parameter replicated over cp has a replicated cotangent, so every backward
+  would all-reduce its cp ranks' partial sums (the weight-gradient matmuls contract the
+  cp-split sequence). Instead the vjp runs inside a ``shard_map`` manual over ``cp``
+  alone (the replica vmap inside it, dp/tp left to GSPMD): a rank differentiates its
+  own token block, so its parameter cotangent is its partial sum and nothing is summed;
+  the ops that ``shard_map`` over cp (ring attention, ``merge_routed``) call their
+  per-rank kernels there (``hetjax.ops.context.cp_is_manual``). The accumulator is
+  ``[R, cp, ...]`` split over dp x cp and ``reduce`` sums both axes in one collective
+  over the dp x cp group (Megatron's ``data_parallel_group_with_cp``); under ZeRO-1 the
+  reduced gradients and moments are split over dp x cp. Memory: the accumulator is cp
+  times larger globally, but each device still holds one parameter-sized slice of it,
+  as before (then it was replicated over cp) and as in Megatron, whose cp ranks each
+  keep a full ``main_grad`` buffer of their (tp/pp-sharded) parameters. Why not broadcast
+  the parameters to ``[cp, ...]`` and differentiate outside the ``shard_map``: inside,
+  the cotangents are per rank by construction and the parameters need no copy.
 - **Frozen parts are constants.** The backward differentiates (``jax.vjp``) only with
   respect to the stage's trainable parts and to the inputs whose gradient some trainable
   parameter upstream needs; frozen parameters are closed over, so XLA emits no
@@ -115,20 +131,17 @@ def zero1_sharding(
     return sharding
 
 
-def cp_local(
-    spec: ModuleSpec, mesh: Mesh, *, is_sink: bool, options: ParallelOptions, moe: bool
-) -> bool:
+def cp_local(spec: ModuleSpec, mesh: Mesh, *, is_sink: bool, moe: bool) -> bool:
     """Whether a stage's programs run per cp rank (gradients reduced over cp once per
     step, in ``reduce``). Yes for a context-parallel loss module (the LLM) whose data
-    arrives split over cp. Not for: an encoder with cp > 1 (it gets whole inputs and
-    splits its tokens itself, so GSPMD all-reduces its gradients over cp in every
-    backward), expert parallelism (its token dispatch ``shard_map`` s over cp itself),
-    tensor parallelism (XLA's SPMD partitioner aborts on these programs with tp > 1
-    auto inside the cp-manual region: ``spmd_partitioner_util.cc`` "Check failed:
-    partition_group_list.num_replica_groups() * ..."; so sequence parallelism, which
-    needs tp > 1, is out too), and MoE layers even
-    at ep = 1 (capacity and balancing statistics are taken over all of a replica's
-    tokens, not one rank's)."""
+    arrives split over cp. Not (their cp gradients are still all-reduced by GSPMD in
+    every backward) for: an encoder with cp > 1 (it gets whole inputs and splits its
+    tokens itself); expert parallelism (its token dispatch ``shard_map`` s over cp
+    itself); MoE layers even at ep = 1 (capacity and balancing statistics are taken over
+    all of a replica's tokens, not one rank's); tensor parallelism, hence sequence
+    parallelism too: XLA's SPMD partitioner (jax 0.10.2, CPU) aborts on these programs
+    with tp > 1 left to GSPMD inside the cp-manual region (``spmd_partitioner_util.cc``:
+    "Check failed: partition_group_list.num_replica_groups() * ...")."""
     return (
         mesh.shape[CP_AXIS] > 1
         and is_sink
@@ -211,7 +224,7 @@ class StageProgram:
         moe = any(
             "router" in jax.tree_util.keystr(k) for k, _ in jax.tree.leaves_with_path(self.axes)
         )
-        self.cp_local = cp_local(spec, mesh, is_sink=is_sink, options=options, moe=moe)
+        self.cp_local = cp_local(spec, mesh, is_sink=is_sink, moe=moe)
         # Accumulator axes before the parameter's own: [R] or, per cp rank, [R, cp].
         self.acc_axes = (REPLICA_AXIS, CP_AXIS) if self.cp_local else (REPLICA_AXIS,)
         self.param_shardings = param_shardings(self.axes, mesh)
