@@ -141,7 +141,10 @@ def cp_local(spec: ModuleSpec, mesh: Mesh, *, is_sink: bool, moe: bool) -> bool:
     all of a replica's tokens, not one rank's); tensor parallelism, hence sequence
     parallelism too: XLA's SPMD partitioner (jax 0.10.2, CPU) aborts on these programs
     with tp > 1 left to GSPMD inside the cp-manual region (``spmd_partitioner_util.cc``:
-    "Check failed: partition_group_list.num_replica_groups() * ...")."""
+    "Check failed: partition_group_list.num_replica_groups() * ..."). With
+    ``JAX_USE_SHARDY_PARTITIONER=false`` a dp=2,cp=2,tp=2 LLM compiles and matches the
+    reference, but the homogeneous layout (the encoder inheriting cp and tp) fails to
+    lower there; so tp > 1 stays out until the partitioner handles it."""
     return (
         mesh.shape[CP_AXIS] > 1
         and is_sink
