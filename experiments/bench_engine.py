@@ -43,7 +43,7 @@ Keys:
   ratio, not the times). Reported, not a goal the exit status checks.
   The executor's step is host-bound (host time ~ step time). Measured on the 2-core
   CPU (11 steps, Dec 2026): ~210 ms per step = F/B program launches ~70 ms (about 1 ms
-  per XLA:CPU call, 80 calls), boundary and stage transfers ~115 ms (eager per-shard
+  per XLA:CPU call, 72 F/B calls), boundary and stage transfers ~115 ms (eager per-shard
   slices and copies, 32 sends), finish ~20 ms; the in-flight guard's waits are ~55 ms
   of that, and the same step without the guard took ~165 ms. The 8-device fused step
   itself swings 0.13-0.58 s with load (its per-microbatch all-reduce over 8 device
