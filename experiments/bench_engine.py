@@ -30,6 +30,26 @@ Keys:
   issue 14 is 1: the LLM runs per cp rank (``StageProgram.cp_local``) and only the
   step's ``reduce`` sums over dp x cp (before, every microbatch's backward did: M).
 
+- ``dispatch_overhead_ratio`` (a last row, ``placement`` ``dispatch``, in ``--quick``
+  too): the host cost of walking a schedule. The ``tiny`` preset shrunk to negligible
+  compute (LLM width 16 and 4 layers, vision width 8, the shortest valid sequence),
+  non-colocated vision ``dp=4`` | LLM ``pp=4`` on islands 4 + 4, M = 8 microbatches of 8
+  samples: the median steady-state step of the executor (``dispatch_step_time_s``, each
+  step waited for; ``dispatch_host_time_s`` until ``step`` returns) over that of
+  :class:`hetjax.ReferenceTrainer`, one fused jit of the same step on the same 8 devices
+  (``fused_step_time_s``). ``fused_1device_step_time_s`` and
+  ``dispatch_overhead_ratio_1device``: the fused step on one device (no per-microbatch
+  all-reduce over 8 device threads). Medians over ``DISPATCH_STEPS`` - 1 steps
+  (``--quick``: 4), all measured in the same run (the machine is shared: read the
+  ratio, not the times). Reported, not a goal the exit status checks.
+  The executor's step is host-bound (host time ~ step time). Measured on the 2-core
+  CPU (11 steps, Dec 2026): ~210 ms per step = F/B program launches ~70 ms (about 1 ms
+  per XLA:CPU call, 72 F/B calls), boundary and stage transfers ~115 ms (eager per-shard
+  slices and copies, 32 sends), finish ~20 ms; the in-flight guard's waits are ~55 ms
+  of that, and the same step without the guard took ~165 ms. The 8-device fused step
+  itself swings 0.13-0.58 s with load (its per-microbatch all-reduce over 8 device
+  threads), so the ratio of one run ranges about 0.6-1.8.
+
 Exits non-zero unless ``flops_ratio`` is at most 1.02 with ``none``, every row's
 flops ratio orders none < full, and the cp row reduces over cp once per step.
 """
@@ -57,6 +77,10 @@ LAYOUTS = {
 # The cp row: the colocated layouts with the LLM context parallel.
 CP_LAYOUTS = {"vision": "dp=4,tp=2", "llm": "dp=2,cp=2,pp=2"}
 NONE_GOAL = 1.02  # flops_ratio with recompute none
+DISPATCH_GOAL = 1.2  # executor step / fused step on negligible compute (issue 14, reported)
+DISPATCH_LAYOUTS = {"vision": "dp=4", "llm": "pp=4"}
+DISPATCH_MICROBATCHES = 8
+DISPATCH_STEPS = 10  # per trainer; the first compiles (--quick: 5)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,8 +182,47 @@ def run(policy: str, placement: str, work: dict, steps: int, layouts=None) -> di
     return row
 
 
+def dispatch_row(devices: list, steps: int) -> dict:
+    """The negligible-compute row: executor vs fused step time (see the module doc)."""
+    import jax
+
+    from experiments import bench_executor as be
+    from hetjax.runtime.graph import DEFAULT_RECOMPUTE
+    from models.data import DataConfig, SyntheticLlava
+    from models.mllm import MLLM
+
+    preset = be.nano_preset(llm_depth=4)  # pp=4 splits the layers evenly
+    seq_len = DataConfig.for_model(preset, seq_len=1, seed=0).max_sample_tokens() - 1
+    model = MLLM(preset)
+    data = SyntheticLlava(DataConfig.for_model(preset, seq_len=seq_len, seed=0))
+    work = be.Workload(model, model.init(jax.random.key(0)), data, len(devices))
+    m = DISPATCH_MICROBATCHES
+    row = be.Row(DISPATCH_LAYOUTS, "non-colocated", "1f1b", m)
+    ex = be.build_executor(row, work, devices, steps)
+    host, total = be.timed_steps(ex, work.batches(m, steps))
+    guard = ex.inflight_guard
+    del ex
+    fused = be.fused_step_time(work, m, devices, steps)
+    one = be.fused_step_time(dataclasses.replace(work, fused={}), m, devices[:1], steps)
+    step = statistics.median(total)
+    return {
+        "recompute": DEFAULT_RECOMPUTE,  # the graph's default (build_executor sets none)
+        "placement": "dispatch",
+        "layouts": DISPATCH_LAYOUTS,
+        "microbatches": m,
+        "dispatch_overhead_ratio": step / fused,
+        "dispatch_step_time_s": step,
+        "dispatch_host_time_s": statistics.median(host),
+        "fused_step_time_s": fused,
+        "fused_1device_step_time_s": one,
+        "dispatch_overhead_ratio_1device": step / one,
+        "inflight_guard": guard,
+    }
+
+
 def check(rows: list[dict]) -> list[str]:
     bad = []
+    rows = [r for r in rows if "dispatch_overhead_ratio" not in r]
     by = {
         (r["placement"], r["recompute"]): r for r in rows if "cp_grad_reductions_per_step" not in r
     }
@@ -219,7 +282,17 @@ def main(config: BenchConfig) -> list[dict]:
                 file=sys.stderr,
             )
     rows.append(run("none", "colocated", work, config.steps, CP_LAYOUTS))
-    print_table(rows)
+    rows.append(dispatch_row(work["devices"], 5 if config.quick else DISPATCH_STEPS))
+    print_table([r for r in rows if "dispatch_overhead_ratio" not in r])
+    d = rows[-1]
+    print(
+        f"dispatch overhead (negligible compute, vision dp=4 | llm pp=4, M=8): executor "
+        f"{d['dispatch_step_time_s'] * 1e3:.1f} ms (host {d['dispatch_host_time_s'] * 1e3:.1f}"
+        f" ms) / fused {d['fused_step_time_s'] * 1e3:.1f} ms = "
+        f"{d['dispatch_overhead_ratio']:.2f}x (goal <= {DISPATCH_GOAL}); fused on 1 device "
+        f"{d['fused_1device_step_time_s'] * 1e3:.1f} ms: "
+        f"{d['dispatch_overhead_ratio_1device']:.2f}x"
+    )
     for r in rows:
         if "cp_grad_reductions_per_step" in r:
             print(f"cp=2: parameter gradients reduced over cp {r['cp_grad_reductions_per_step']}x")

@@ -365,6 +365,19 @@ class Workload:
         return [self.data.batch(i, m * self.microbatch_size) for i in range(count)]
 
 
+def nano_preset(llm_depth: int = 2) -> Any:
+    """The ``tiny`` preset shrunk to negligible compute (LLM width 16, ``llm_depth`` layers)."""
+    from models.config import get_preset
+
+    preset = get_preset("tiny")
+    return dataclasses.replace(
+        preset,
+        name="nano",
+        llm=dataclasses.replace(preset.llm, width=16, depth=llm_depth, heads=2, kv_heads=2, mlp=16),
+        vision=dataclasses.replace(preset.vision, width=8, depth=1, heads=2, mlp=8),
+    )
+
+
 def make_workload(name: str, *, seq_len: int | None, microbatch_size: int) -> Workload:
     """``tiny`` (the preset) or ``nano`` (tiny shrunk to negligible compute, shortest
     valid sequence) on a fixed seed."""
@@ -374,14 +387,8 @@ def make_workload(name: str, *, seq_len: int | None, microbatch_size: int) -> Wo
     from models.data import DataConfig, SyntheticLlava
     from models.mllm import MLLM
 
-    preset = get_preset("tiny")
+    preset = nano_preset() if name == "nano" else get_preset("tiny")
     if name == "nano":
-        preset = dataclasses.replace(
-            preset,
-            name="nano",
-            llm=dataclasses.replace(preset.llm, width=16, depth=2, heads=2, kv_heads=2, mlp=16),
-            vision=dataclasses.replace(preset.vision, width=8, depth=1, heads=2, mlp=8),
-        )
         shortest = DataConfig.for_model(preset, seq_len=1, seed=0).max_sample_tokens() - 1
         seq_len = seq_len or shortest
     data = SyntheticLlava(DataConfig.for_model(preset, seq_len=seq_len or preset.seq_len, seed=0))
