@@ -200,7 +200,7 @@ def dispatch_row(devices: list, steps: int) -> dict:
     row = be.Row(DISPATCH_LAYOUTS, "non-colocated", "1f1b", m)
     ex = be.build_executor(row, work, devices, steps)
     host, total = be.timed_steps(ex, work.batches(m, steps))
-    guard = ex.inflight_guard
+    guard, syncs = ex.inflight_guard, ex.inflight_syncs / steps
     del ex
     fused = be.fused_step_time(work, m, devices, steps)
     one = be.fused_step_time(dataclasses.replace(work, fused={}), m, devices[:1], steps)
@@ -217,6 +217,7 @@ def dispatch_row(devices: list, steps: int) -> dict:
         "fused_1device_step_time_s": one,
         "dispatch_overhead_ratio_1device": step / one,
         "inflight_guard": guard,
+        "inflight_syncs_per_step": syncs,
     }
 
 

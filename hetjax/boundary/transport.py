@@ -23,7 +23,7 @@ import jax
 
 from .edge import BoundaryError
 from .local import assemble, is_traced, shard_block, spread, to_sharding, traced_reshard
-from .plan import Copy, Lane, Region, TransferPlan
+from .plan import Copy, Lane, TransferPlan
 
 
 @runtime_checkable
@@ -77,15 +77,29 @@ class InProcessTransport:
         check_eager(plan, x)
         x = to_sharding(x, plan.edge.src.sharding, f"edge {plan.edge.name()}")
         shards = {s.device.id: s for s in x.addressable_shards}
-        chunks = {}
-        for lane, copies in _routes(plan):
-            pieces: list[tuple[Region, jax.Array]] = []
-            for copy, device in copies:
-                piece = shard_block(shards[copy.src], plan.shape, copy.region)
-                if copy.src != copy.dst:
-                    piece = jax.device_put(piece, device)
-                pieces.append((copy.region, piece))
-            chunks[lane.leader] = assemble(lane, pieces)
+        routes = _routes(plan)
+        pieces = [
+            [shard_block(shards[copy.src], plan.shape, copy.region) for copy, _ in copies]
+            for _, copies in routes
+        ]
+        # Every cross-device copy of the plan in one batched device_put (one host call,
+        # not one per copy).
+        moving = [
+            (i, j, device)
+            for i, (_, copies) in enumerate(routes)
+            for j, (copy, device) in enumerate(copies)
+            if copy.src != copy.dst
+        ]
+        if moving:
+            moved = jax.device_put([pieces[i][j] for i, j, _ in moving], [d for *_, d in moving])
+            for (i, j, _), piece in zip(moving, moved, strict=True):
+                pieces[i][j] = piece
+        chunks = {
+            lane.leader: assemble(
+                lane, [(c.region, p) for (c, _), p in zip(copies, got, strict=True)]
+            )
+            for (lane, copies), got in zip(routes, pieces, strict=True)
+        }
         return spread(plan, chunks)
 
     def __repr__(self) -> str:

@@ -190,6 +190,11 @@ class Executor:
         return self._inflight.enabled
 
     @property
+    def inflight_syncs(self) -> int:
+        """Host syncs the in-flight guard has made so far (0 when it is off)."""
+        return self._inflight.syncs
+
+    @property
     def stage_ids(self) -> dict[StageKey, int]:
         return self.plan.stage_ids
 
@@ -275,10 +280,11 @@ class Executor:
             elif op.kind == "SEND_B":
                 gx = (grads_out.pop if op.last_send else grads_out.get)((key, m))
                 src = op.peer
-                g_src = self._send_backward(op, feed, gx)
+                g_src, collective = self._send_backward(op, feed, gx)
                 prev = grads_in.get((src, m))
                 grads_in[(src, m)] = g_src if prev is None else prev + g_src
-                self._inflight.hold(prog.devices | self.programs[src].devices, grads_in[(src, m)])
+                devices = prog.devices | self.programs[src].devices
+                self._inflight.hold(devices, grads_in[(src, m)], collective)
         if self.offload_encoders and phase == 1:  # no encoder backward ran (all frozen)
             self._move_encoders("device")
         return self._finish(acc, losses, normalizer)
@@ -286,9 +292,10 @@ class Executor:
     def _run(self, op: Op, prog: StageProgram, kind: str, args: tuple, profile: bool) -> Any:
         """Dispatches one F/B program call (waits for it when profiling)."""
         t0 = time.perf_counter()
-        self._inflight.wait(prog.devices)
+        collective = self._inflight.enabled and prog.collectives(kind, *args)
+        self._inflight.wait(prog.devices, collective)
         out = getattr(prog, kind)(*args)
-        self._inflight.hold(prog.devices, out)
+        self._inflight.hold(prog.devices, out, collective)
         if profile:
             jax.block_until_ready(out)
             self.op_times[(op.kind, op.stage)].append(time.perf_counter() - t0)
@@ -307,30 +314,37 @@ class Executor:
 
     def _send_forward(self, op: Op, feed: Feed, y: Any) -> Any:
         key, dst = op.stage, op.peer
-        self._inflight.wait(self.programs[key].devices | self.programs[dst].devices)
-        if dst[0] == key[0]:
+        devices = self.programs[key].devices | self.programs[dst].devices
+        if dst[0] == key[0]:  # a device-to-device copy: never a collective in one process
             transfer = self.stage_links[key]
             self._observe_transfer(op, key, dst, y, lambda: transfer.moved_bytes(y, "forward"))
+            self._inflight.wait(devices, transfer.boundary is not None)
             return transfer.forward(y)
         pair = (key[0], dst[0])
         route = feed.route(pair, op.microbatch, y.shape[1])
         link = self.links[pair]
         self._observe_transfer(op, key, dst, y, lambda: link.moved_bytes(y, route, "forward"))
+        self._inflight.wait(devices, link.collective(y, route, "forward"))
         return link.forward(y, route)
 
-    def _send_backward(self, op: Op, feed: Feed, gx: Any) -> Any:
+    def _send_backward(self, op: Op, feed: Feed, gx: Any) -> tuple[Any, bool]:
+        """The cotangent moved to the peer stage, and whether moving it ran a collective."""
         key, src = op.stage, op.peer
-        self._inflight.wait(self.programs[key].devices | self.programs[src].devices)
+        devices = self.programs[key].devices | self.programs[src].devices
         if src[0] == key[0]:
             transfer = self.stage_links[src]
             self._observe_transfer(op, key, src, gx, lambda: transfer.moved_bytes(gx, "backward"))
-            return transfer.backward(gx)
+            collective = transfer.boundary is not None
+            self._inflight.wait(devices, collective)
+            return transfer.backward(gx), collective
         pair = (src[0], key[0])
         ct = gx[self._link_name(*pair)]
         route = feed.existing_route(pair, op.microbatch)
         link = self.links[pair]
         self._observe_transfer(op, key, src, ct, lambda: link.moved_bytes(ct, route, "backward"))
-        return link.backward(ct, route)
+        collective = link.collective(ct, route, "backward")
+        self._inflight.wait(devices, collective)
+        return link.backward(ct, route), collective
 
     def _observe_stash(self, op: Op, value: Any, stash: Mapping) -> None:
         if self.observers.stash:

@@ -16,6 +16,7 @@ so the HLO ops carry it in their metadata.
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -30,6 +31,18 @@ def signature(args: tuple) -> Any:
     return tree, tuple(
         (a.shape, a.dtype, a.sharding) if isinstance(a, jax.Array) else type(a) for a in leaves
     )
+
+
+# Cross-device communication in a compiled HLO module (async forms start with these too).
+_COLLECTIVE = re.compile(
+    r"\b(all-reduce|all-gather|all-to-all|reduce-scatter|collective-permute|collective-broadcast"
+    r"|ragged-all-to-all)(-start)?\("
+)
+
+
+def has_collectives(compiled: jax.stages.Compiled) -> bool:
+    """Whether ``compiled`` runs a cross-device collective (from its optimized HLO)."""
+    return _COLLECTIVE.search(compiled.as_text()) is not None
 
 
 def program_name(stage: tuple[str, int], kind: str) -> str:
@@ -66,6 +79,7 @@ class Program:
         self.stage, self.kind = stage, kind
         self._observers = observers
         self._seen: set = set()
+        self._collectives: dict[Any, bool] = {}
 
     def __call__(self, *args: Any) -> Any:
         if self._observers.compile:
@@ -74,6 +88,19 @@ class Program:
                 self._seen.add(key)
                 self._observers.on_compile(self.stage, self.kind, self.lower(*args).compile())
         return self.jitted(*args)
+
+    def collectives(self, *args: Any) -> bool:
+        """Whether the executable a call with ``args`` runs has cross-device collectives.
+
+        Compiles ahead of the call the first time per signature (the jitted call then
+        reuses that executable) and caches the answer; what the executor's CPU in-flight
+        guard asks before it waits (:class:`~hetjax.runtime.inflight.InFlight`).
+        """
+        key = signature(args)
+        known = self._collectives.get(key)
+        if known is None:
+            known = self._collectives[key] = has_collectives(self.lower(*args).compile())
+        return known
 
     def lower(self, *args: Any) -> jax.stages.Lowered:
         """Lowers for ``args`` (arrays or ``jax.ShapeDtypeStruct``), like ``jit(...).lower``."""

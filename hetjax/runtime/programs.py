@@ -288,6 +288,11 @@ class StageProgram:
             out_shardings=(self.param_shardings, self.state_shardings, None),
         )
 
+    def collectives(self, kind: str, *args: Any) -> bool:
+        """Whether the ``kind`` program's call with ``args`` runs cross-device collectives
+        (a one-device stage never does; otherwise its compiled HLO says)."""
+        return len(self.devices) > 1 and getattr(self, kind).collectives(*args)
+
     # -- parameters ---------------------------------------------------------------------
 
     def slice_params(self, full: dict[str, Any]) -> dict[str, Any]:

@@ -97,7 +97,7 @@ def finish_step(
         losses: the sink's summed loss per microbatch.
         normalizer: supervised tokens of the global batch.
         anchor: the device where per-stage scalars are summed.
-        guard: the executor's in-flight guard (``wait(devices)``, ``hold(devices, out)``).
+        guard: the executor's in-flight guard (``wait``/``hold`` around programs with collectives).
         record: reports a program call to the observers.
 
     Returns:
@@ -109,11 +109,12 @@ def finish_step(
 
     reduced = {}
     for k, p in programs.items():
-        guard.wait(p.devices)
+        collective = guard.enabled and p.collectives("reduce", acc[k])
+        guard.wait(p.devices, collective)
         t0 = time.perf_counter()
         reduced[k] = p.reduce(acc[k])
         record(k, "reduce", (acc[k],), reduced[k], t0)
-        guard.hold(p.devices, reduced[k])
+        guard.hold(p.devices, reduced[k], collective)
     sq = defaultdict(list)
     for _, norms in reduced.values():
         for name, v in norms.items():
@@ -123,12 +124,13 @@ def finish_step(
     params, opt_state = dict(state.params), dict(state.opt_state)
     param_sq = defaultdict(list)
     for k, p in programs.items():
-        guard.wait(p.devices)
         args = (params[k], opt_state[k], reduced[k][0], jax.device_put(global_norm, p.replicated))
+        collective = guard.enabled and p.collectives("update", *args)
+        guard.wait(p.devices, collective)
         t0 = time.perf_counter()
         params[k], opt_state[k], norms = out = p.update(*args)
         record(k, "update", args, out, t0)
-        guard.hold(p.devices, (params[k], norms))
+        guard.hold(p.devices, (params[k], norms), collective)
         for name, v in norms.items():
             param_sq[name].append(v)
     guard.clear()

@@ -59,18 +59,24 @@ class StageTransfer:
     def forward(self, x: jax.Array) -> jax.Array:
         if self.boundary is not None:
             return self.boundary.forward(x)
-        return jax.device_put(x, batch_sharding(self.dst_mesh, x.ndim, sequence=True))
+        return jax.device_put(x, _batch_sharding(self.dst_mesh, x.ndim))
 
     def backward(self, ct: jax.Array) -> jax.Array:
         if self.boundary is not None:
             return self.boundary.backward(ct)
-        return jax.device_put(ct, batch_sharding(self.src_mesh, ct.ndim, sequence=True))
+        return jax.device_put(ct, _batch_sharding(self.src_mesh, ct.ndim))
 
     def moved_bytes(self, x: jax.Array, direction: Direction) -> int:
         """Bytes the copy of ``x`` moves between devices (all devices together)."""
         mesh = self.dst_mesh if direction == "forward" else self.src_mesh
         dst = batch_sharding(mesh, x.ndim, sequence=True)
         return naive_device_put_bytes(x.sharding, dst, x.shape, x.dtype)
+
+
+@functools.lru_cache(maxsize=256)
+def _batch_sharding(mesh, ndim: int):
+    # Built once per (stage mesh, rank): a NamedSharding per send is host time per op.
+    return batch_sharding(mesh, ndim, sequence=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,6 +174,23 @@ class LinkTransfer:
             return self.routed_boundary.backward(split)
         ct = self.routed_boundary.backward(ct.tokens)
         return self._scatter(ct, route.index, route.num_tokens)
+
+    def collective(self, x: jax.Array | Routed, route: Route | None, direction: Direction) -> bool:
+        """Whether moving ``x`` runs a collective program: token routing, a reshard among
+        shared devices, a broadcast inside the destination, or a multi-process permute
+        (what the executor's CPU in-flight guard must order)."""
+        if route is not None or isinstance(x, Routed) or self.transport is not None:
+            return True
+        if self.boundary is None:
+            return False
+        plan = self.boundary.plan(x.shape, x.dtype)
+        plan = plan if direction == "forward" else plan.reverse()
+        src = plan.edge.src.sharding
+        return (
+            plan.mode == "traced"
+            or plan.local.kind == "broadcast"
+            or not x.sharding.is_equivalent_to(src, x.ndim)  # to_sharding reshards first
+        )
 
     def moved_bytes(self, x: jax.Array | Routed, route: Route | None, direction: Direction) -> int:
         """Bytes the transfer of ``x`` moves between devices (all devices together).
