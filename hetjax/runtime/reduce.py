@@ -109,9 +109,9 @@ def finish_step(
 
     reduced = {}
     for k, p in programs.items():
+        t0 = time.perf_counter()  # the call's window includes its compile (collectives)
         collective = guard.enabled and p.collectives("reduce", acc[k])
         guard.wait(p.devices, collective)
-        t0 = time.perf_counter()
         reduced[k] = p.reduce(acc[k])
         record(k, "reduce", (acc[k],), reduced[k], t0)
         guard.hold(p.devices, reduced[k], collective)
@@ -125,9 +125,9 @@ def finish_step(
     param_sq = defaultdict(list)
     for k, p in programs.items():
         args = (params[k], opt_state[k], reduced[k][0], jax.device_put(global_norm, p.replicated))
+        t0 = time.perf_counter()
         collective = guard.enabled and p.collectives("update", *args)
         guard.wait(p.devices, collective)
-        t0 = time.perf_counter()
         params[k], opt_state[k], norms = out = p.update(*args)
         record(k, "update", args, out, t0)
         guard.hold(p.devices, (params[k], norms), collective)
