@@ -17,6 +17,7 @@ pipeline-stage submesh, which has no ``"pp"`` axis.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -77,13 +78,15 @@ def activation_sharding(
     return NamedSharding(mesh, PartitionSpec(batch_axes, sequence, *([None] * (ndim - 2))))
 
 
+@functools.lru_cache(maxsize=1024)
 def batch_sharding(mesh: Mesh, ndim: int, *, sequence: bool = False) -> NamedSharding:
     """An activation or batch array on a stage mesh: ``("batch", "seq", None, ...)``.
 
     The leading axis is split by the ``"batch"`` rule; with ``sequence``, dim 1 by the
     ``"seq"`` rule (when the mesh has ``cp > 1``); everything else is replicated. Every
     place that lays out a batch (microbatches, stage transfers, boundaries, the stage
-    programs) asks this function, so the rule is written once.
+    programs) asks this function, so the rule is written once. Cached: the executor asks
+    per send and per microbatch input, and building a ``NamedSharding`` is host time.
     """
     names: list[str | None] = ["batch"] + [None] * (ndim - 1)
     if sequence and ndim >= 2 and mesh.shape[LOGICAL_AXIS_RULES["seq"]] > 1:

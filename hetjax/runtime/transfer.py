@@ -59,24 +59,18 @@ class StageTransfer:
     def forward(self, x: jax.Array) -> jax.Array:
         if self.boundary is not None:
             return self.boundary.forward(x)
-        return jax.device_put(x, _batch_sharding(self.dst_mesh, x.ndim))
+        return jax.device_put(x, batch_sharding(self.dst_mesh, x.ndim, sequence=True))
 
     def backward(self, ct: jax.Array) -> jax.Array:
         if self.boundary is not None:
             return self.boundary.backward(ct)
-        return jax.device_put(ct, _batch_sharding(self.src_mesh, ct.ndim))
+        return jax.device_put(ct, batch_sharding(self.src_mesh, ct.ndim, sequence=True))
 
     def moved_bytes(self, x: jax.Array, direction: Direction) -> int:
         """Bytes the copy of ``x`` moves between devices (all devices together)."""
         mesh = self.dst_mesh if direction == "forward" else self.src_mesh
         dst = batch_sharding(mesh, x.ndim, sequence=True)
         return naive_device_put_bytes(x.sharding, dst, x.shape, x.dtype)
-
-
-@functools.lru_cache(maxsize=256)
-def _batch_sharding(mesh, ndim: int):
-    # Built once per (stage mesh, rank): a NamedSharding per send is host time per op.
-    return batch_sharding(mesh, ndim, sequence=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +83,13 @@ class Route:
     index: jax.Array | None = None  # [B, cp, K] on the source stage; -1 = padding
     send: jax.Array | None = None  # [B, cp, cp, K2] on the destination stage
     recv: jax.Array | None = None  # [B, cp, K] on the destination stage
+
+
+def _directed(boundary: Boundary, shape: tuple[int, ...], dtype, direction: Direction):
+    """The plan ``boundary`` moves an array of ``shape`` by: its forward plan, or the
+    reverse for a cotangent."""
+    plan = boundary.plan(shape, dtype)
+    return plan if direction == "forward" else plan.reverse()
 
 
 class LinkTransfer:
@@ -183,8 +184,7 @@ class LinkTransfer:
             return True
         if self.boundary is None:
             return False
-        plan = self.boundary.plan(x.shape, x.dtype)
-        plan = plan if direction == "forward" else plan.reverse()
+        plan = _directed(self.boundary, x.shape, x.dtype, direction)
         src = plan.edge.src.sharding
         return (
             plan.mode == "traced"
@@ -211,6 +211,5 @@ class LinkTransfer:
                 shape = (a.shape[0], cp * k, *a.shape[2:])
         if boundary is None:
             return exchanged
-        plan = boundary.plan(shape, a.dtype)
-        plan = plan if direction == "forward" else plan.reverse()
+        plan = _directed(boundary, shape, a.dtype, direction)
         return exchanged + plan.cross_island_bytes + plan.local_collective_bytes
