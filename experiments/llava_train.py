@@ -8,9 +8,9 @@ The same command runs as one process of a multi-process job (JAX's multi-control
 runtime, one process per node or per GPU): under ``python -m hetjax.launch`` on one
 machine, under SLURM (``srun ... python -m experiments.llava_train``), or started by hand
 with ``--coordinator HOST:PORT --num-processes N --process-id I``. Every process builds
-the same global batch and walks the same schedule; the processes refuse to start if
-their settings differ, stop together when one fails, and only process 0 prints and
-writes files.
+the same global batch (with ``--data``, decoding only the images of the rows its devices
+hold) and walks the same schedule; the processes refuse to start if their settings
+differ, stop together when one fails, and only process 0 prints and writes files.
 
 Settings come from :mod:`experiments.flags` (flags, ``--config FILE``) as one checked
 :class:`hetjax.config.TrainConfig`; :func:`main` then runs every check that needs the
