@@ -8,9 +8,9 @@ The same command runs as one process of a multi-process job (JAX's multi-control
 runtime, one process per node or per GPU): under ``python -m hetjax.launch`` on one
 machine, under SLURM (``srun ... python -m experiments.llava_train``), or started by hand
 with ``--coordinator HOST:PORT --num-processes N --process-id I``. Every process builds
-the same global batch and walks the same schedule; the processes refuse to start if
-their settings differ, stop together when one fails, and only process 0 prints and
-writes files.
+the same global batch (with ``--data``, decoding only the images of the rows its devices
+hold) and walks the same schedule; the processes refuse to start if their settings
+differ, stop together when one fails, and only process 0 prints and writes files.
 
 Settings come from :mod:`experiments.flags` (flags, ``--config FILE``) as one checked
 :class:`hetjax.config.TrainConfig`; :func:`main` then runs every check that needs the
@@ -79,7 +79,7 @@ def main(config: TrainConfig) -> int:
         resume = ckpt is not None and ckpt.latest_step() is not None
         trainer = _trainer(config, run, devices, init=not resume, lead=lead)
         start, meta = _resume(ckpt, trainer, lead) if resume else (0, {})
-        stream = _stream(config, run, meta.get("data"), len(devices))
+        stream = _stream(config, run, meta.get("data"), len(devices), trainer, multi)
     end = config.stop_after or config.steps
     processes = info.num_processes if multi else 1
     hooks = _hooks(config, run, devices, processes, start, stream) if lead else []
@@ -87,8 +87,8 @@ def main(config: TrainConfig) -> int:
     logging = config.logging
 
     def step(i: int):
-        # Every process builds the same global batch (seed, step); the trainer keeps
-        # only this process's shards of it.
+        # Every process builds the same global batch (seed, step), with pixels only in
+        # the image rows its devices hold; the trainer keeps only this process's shards.
         try:
             batch = stream.batch(i)
         except ValueError as e:  # a bad record found while loading (models.llava.BadSample)
@@ -475,8 +475,17 @@ def _kept(ckpt):
     return note
 
 
-def _stream(config: TrainConfig, run: _Run, resumed: dict[str, Any] | None, num_devices: int):
-    """The run's batches: LLaVA files from a resumed loader position, or synthetic."""
+def _stream(
+    config: TrainConfig,
+    run: _Run,
+    resumed: dict[str, Any] | None,
+    num_devices: int,
+    trainer: Any,
+    multi: bool,
+):
+    """The run's batches: LLaVA files from a resumed loader position, or synthetic. In a
+    multi-process run each process decodes only the images its devices are fed."""
+    from hetjax.runtime.feed import local_rows
     from models.llava import run as llava_run
 
     if not config.data.sources:
@@ -488,7 +497,12 @@ def _stream(config: TrainConfig, run: _Run, resumed: dict[str, Any] | None, num_
         dp = {m.name: m.layout.dp * m.layout.ep for m in run.graph.modules}
     microbatches = run.plan.microbatches if run.plan else config.parallel.microbatches
     bins = (microbatches, dp.get("vision", dp["llm"]), dp["llm"])
-    return llava_run.DataStream(run.dataset, bins, state)
+    image_rows = None  # one process, or the reference trainer: every image
+    shape = run.dataset.images_shape
+    if multi and run.plan is not None and shape is not None:
+        programs = trainer.programs.values()
+        image_rows = local_rows(programs, microbatches, {"images": shape})["images"]
+    return llava_run.DataStream(run.dataset, bins, state, image_rows=image_rows)
 
 
 def _metadata(config: TrainConfig, run: _Run, data: dict[str, Any]) -> dict[str, Any]:

@@ -4,17 +4,19 @@ The executor gets ONE global batch per step (host numpy arrays, the same on ever
 process). :class:`Feed` cuts microbatch ``m`` for a stage, stores sequence inputs of a
 ``cp > 1`` module in the zigzag layout (:func:`hetjax.meshes.zigzag_permutation`), and
 puts them on the stage's mesh with the batch rule (:func:`hetjax.meshes.batch_sharding`);
-only this process's shards are built. For links into a ``cp > 1`` module that merges
-tokens into placeholders it computes, once per step, which tokens each cp rank receives
-(:mod:`hetjax.ops.token_routing`).
+only this process's shards are built. :func:`local_rows` says, from the same shardings,
+which global rows those shards cover, so a data loader can read only those. For links
+into a ``cp > 1`` module that merges tokens into placeholders it computes, once per
+step, which tokens each cp rank receives (:mod:`hetjax.ops.token_routing`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding
 
 from hetjax.meshes import batch_sharding, zigzag_permutation
 from hetjax.ops.token_routing import exchange_routes, token_routes
@@ -53,10 +55,9 @@ class Feed:
         out = {}
         for k in prog.batch_keys:
             value = self.batch[k][m * self.size : (m + 1) * self.size]
-            seq = k in prog.spec.seq_inputs
-            if seq and prog.spec.layout.cp > 1:  # stored load-balanced, as the model expects
+            if k in prog.spec.seq_inputs and prog.spec.layout.cp > 1:  # stored load-balanced
                 value = value[:, zigzag_permutation(value.shape[1], prog.spec.layout.cp)]
-            out[k] = put_global(value, batch_sharding(prog.mesh, value.ndim, sequence=seq))
+            out[k] = put_global(value, input_sharding(prog, k, value.ndim))
         return out
 
     def route(self, link: tuple[str, str], m: int, num_tokens: int) -> Route | None:
@@ -92,3 +93,58 @@ class Feed:
             else:
                 routes.append(Route(n, index=put_global(part, transfer.index_sharding)))
         return routes
+
+
+def input_sharding(prog: StageProgram, key: str, ndim: int) -> NamedSharding:
+    """How batch key ``key`` (``ndim`` dimensions) of a microbatch lies on ``prog``'s mesh."""
+    return batch_sharding(prog.mesh, ndim, sequence=key in prog.spec.seq_inputs)
+
+
+def rows_held(
+    sharding: NamedSharding, shape: Sequence[int], devices: Iterable[jax.Device] | None = None
+) -> np.ndarray:
+    """The rows (indices along dim 0) of a ``shape`` array under ``sharding`` that the
+    shards of ``devices`` cover, sorted (default: this process's devices). E.g. 8 rows
+    split over a ``dp=4`` mesh: its first two devices cover rows 0-3.
+    """
+    shape = tuple(shape)
+    if devices is None:
+        index = sharding.addressable_devices_indices_map(shape)
+    else:
+        wanted = set(devices)
+        index = {d: i for d, i in sharding.devices_indices_map(shape).items() if d in wanted}
+    rows: set[int] = set()
+    for idx in index.values():
+        rows.update(range(*idx[0].indices(shape[0])))
+    return np.asarray(sorted(rows), np.int64)
+
+
+def local_rows(
+    programs: Iterable[StageProgram],
+    microbatches: int,
+    shapes: Mapping[str, Sequence[int]],
+    devices: Iterable[jax.Device] | None = None,
+) -> dict[str, np.ndarray]:
+    """For each batch key of ``shapes`` (its GLOBAL batch shape), the global rows that the
+    stages' inputs place on ``devices`` (default: this process's devices), sorted: the
+    only rows :meth:`Feed.inputs` reads of it. A key no stage reads there gets none.
+
+    Args:
+        programs: the executor's stage programs (``Executor.programs.values()``).
+        microbatches: microbatches per step.
+        shapes: batch key -> shape of the global batch array.
+        devices: whose shards count; ``None``: this process's (``jax.local_devices()``).
+    """
+    devices = None if devices is None else tuple(devices)
+    rows: dict[str, set[int]] = {k: set() for k in shapes}
+    for prog in programs:
+        for k in prog.batch_keys:
+            if k not in shapes:
+                continue
+            shape = tuple(shapes[k])
+            size = shape[0] // microbatches
+            micro = (size, *shape[1:])
+            held = rows_held(input_sharding(prog, k, len(micro)), micro, devices)
+            for m in range(microbatches):
+                rows[k].update((m * size + held).tolist())
+    return {k: np.asarray(sorted(v), np.int64) for k, v in rows.items()}

@@ -44,6 +44,14 @@ class ImageProcessor:
             im.load()
             return self.transform(im)
 
+    def check(self, path: str) -> None:
+        """Reads only the file's header; raises ``OSError`` when it is no image Pillow
+        knows (the pixels may still fail to decode)."""
+        from PIL import Image
+
+        with Image.open(path):
+            pass
+
     def transform(self, im) -> np.ndarray:
         """The transform of an open ``PIL.Image``."""
         from PIL import Image

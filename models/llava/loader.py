@@ -12,6 +12,13 @@ microbatch x data-parallel bins (:mod:`models.llava.rows`). Worker threads read,
 and decode the samples (Pillow and ``tokenizers`` release the GIL), and a producer thread
 builds batches ``prefetch`` steps ahead, so a step does not wait for JPEG decoding.
 
+In a multi-process run each process decodes only the images of the rows its devices hold
+(``Loader(image_rows=...)``, from :func:`hetjax.runtime.feed.local_rows`); the other
+rows' images stay zeros, which the executor never reads (it builds only local shards).
+Every process still reads every record and tokenizes it (cheap), and opens each image's
+header, so all of them skip the same bad records and build the same rows; the pixels are
+decoded after the step's rows are fixed, by the processes that feed them.
+
 Why not Grain: its index sampler gives the same determinism, but a step here consumes a
 data-dependent number of records (packing; skipped bad records), so the position is a
 cursor over the record stream that Grain's per-record checkpoint would not give per step,
@@ -26,7 +33,7 @@ import concurrent.futures
 import dataclasses
 import queue
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -60,18 +67,28 @@ class LoaderConfig:
     prefetch: int = 2  # batches built ahead
 
 
+@dataclasses.dataclass(frozen=True)
+class Pending:
+    """An image whose header was read but whose pixels are decoded only if a local device
+    holds its row."""
+
+    path: str
+    where: str  # the record, for the error message
+
+
 @dataclasses.dataclass
 class Sample:
     ids: np.ndarray  # [n] int32, at most L + 1
     supervised: np.ndarray  # [n] float32
-    images: list[np.ndarray]  # each [H, W, C] float32
+    images: list[np.ndarray | Pending]  # each [H, W, C] float32, or not decoded yet
     truncated: bool
 
 
 @dataclasses.dataclass
 class Batch:
     arrays: dict[str, np.ndarray]  # tokens, targets, loss_mask [B, L]; images
-    metrics: dict[str, float]  # padding_fraction, image/token imbalance, tokens_per_step
+    metrics: dict[str, float]  # padding_fraction, image/token imbalance, tokens_per_step,
+    # images_decoded (by this process, for this batch's rows)
     state: dict[str, Any]  # the loader position after this batch
 
 
@@ -124,6 +141,16 @@ class LlavaData:
         """The most images one record has."""
         return max(int(f.num_images.max(initial=0)) for f in self.files)
 
+    @property
+    def images_shape(self) -> tuple[int, ...] | None:
+        """The shape of a batch's ``images`` (``[B, H, W, C]``, or ``[B, K, H, W, C]`` with
+        ``K > 1`` slots per row); ``None`` for a text-only model."""
+        p, c = self.processor, self.config
+        if p is None:
+            return None
+        slots = () if c.images_per_row == 1 else (c.images_per_row,)
+        return (c.global_batch, *slots, p.crop, p.crop, 3)
+
     def draw(self, counts: list[int]) -> tuple[int, int]:
         """The next (file, indexed record) after ``counts``; advances ``counts``."""
         s = int(np.argmin((np.asarray(counts) + 1) / self.weights))
@@ -136,8 +163,11 @@ class LlavaData:
             self._perms[key] = np.random.default_rng([self.config.seed, s, k // n]).permutation(n)
         return s, int(self._perms[key][k % n])
 
-    def load(self, s: int, j: int) -> Sample:
-        """Record ``j`` of file ``s`` as ids, supervision and images; raises BadSample."""
+    def load(self, s: int, j: int, *, decode: bool = True) -> Sample:
+        """Record ``j`` of file ``s`` as ids, supervision and images; raises BadSample.
+
+        ``decode=False``: the images' headers are read (a file that is no image is a bad
+        record either way) and their pixels left :class:`Pending`."""
         c = self.config
         record, paths, where = self.files[s].read(j)
         if len(paths) > c.images_per_row:
@@ -160,15 +190,34 @@ class LlavaData:
                     where,
                     f"longer than --seq-len {c.seq_len} and the cut falls in an image's tokens",
                 )
-        images = []
+        images: list[np.ndarray | Pending] = []
         for p in paths:
             try:
-                images.append(self.processor(p))
+                if decode:
+                    images.append(self.processor(p))
+                else:
+                    self.processor.check(p)
+                    images.append(Pending(p, where))
             except OSError as e:
                 raise BadSample(
                     "undecodable_image", where, f"image {p} does not decode: {e}"
                 ) from None
         return Sample(ids, sup, images, truncated)
+
+    def decode(self, image: Pending) -> np.ndarray:
+        """The pixels of a pending image; raises BadSample when they do not decode."""
+        try:
+            return self.processor(image.path)
+        except OSError as e:
+            # Its header read, so every process took the record into this step's rows:
+            # skipping it now would give the processes different batches.
+            raise BadSample(
+                "undecodable_image",
+                image.where,
+                f"image {image.path} does not decode: {e}; found only when decoding this "
+                "process's rows, after every process placed the record, so it cannot be "
+                "skipped: fix or remove the file",
+            ) from None
 
     def start_state(self) -> dict[str, Any]:
         return {"counts": [0] * len(self.files), "bad": dict(self.index_bad), "truncated": 0}
@@ -177,15 +226,17 @@ class LlavaData:
 class _Lookahead:
     """The record stream from a position, loaded ``window`` records ahead by a pool."""
 
-    def __init__(self, data: LlavaData, counts: list[int], pool, window: int):
+    def __init__(self, data: LlavaData, counts: list[int], pool, window: int, *, decode: bool):
         self.data, self.counts, self.pool, self.window = data, list(counts), pool, window
+        self.decode = decode
         self.pending: collections.deque = collections.deque()
 
     def _fill(self) -> None:
         while len(self.pending) < self.window:
             pos = list(self.counts)
             s, j = self.data.draw(self.counts)
-            self.pending.append((pos, self.pool.submit(_attempt, self.data, s, j)))
+            future = self.pool.submit(_attempt, self.data, s, j, self.decode)
+            self.pending.append((pos, future))
 
     def peek(self) -> tuple[list[int], Sample | BadSample]:
         self._fill()
@@ -196,9 +247,9 @@ class _Lookahead:
         self.pending.popleft()
 
 
-def _attempt(data: LlavaData, s: int, j: int) -> Sample | BadSample:
+def _attempt(data: LlavaData, s: int, j: int, decode: bool) -> Sample | BadSample:
     try:
-        return data.load(s, j)
+        return data.load(s, j, decode=decode)
     except BadSample as e:
         return e
 
@@ -206,13 +257,29 @@ def _attempt(data: LlavaData, s: int, j: int) -> Sample | BadSample:
 class Loader:
     """Batches in order from ``state`` (``None``: the start); iterate or call :meth:`next`.
 
-    Raises (from :meth:`next`): BadSample for a bad record without ``skip_bad``.
+    Args:
+        data: the checked data.
+        state: a position (:attr:`Batch.state`); ``None``: the start.
+        image_rows: the global rows whose images this process decodes (the others'
+            stay zeros); ``None``: every image, decoded as its record loads. A
+            multi-process run gives every process its rows (an empty set too), so all
+            of them check images alike (header only) and build the same rows.
+
+    Raises (from :meth:`next`): BadSample for a bad record without ``skip_bad``, and
+    for an image of a local row that does not decode after its header read.
     """
 
-    def __init__(self, data: LlavaData, state: Mapping[str, Any] | None = None):
+    def __init__(
+        self,
+        data: LlavaData,
+        state: Mapping[str, Any] | None = None,
+        *,
+        image_rows: Collection[int] | None = None,
+    ):
         self.data = data
         c = data.config
         self.state = dict(state or data.start_state())
+        self.image_rows = None if image_rows is None else frozenset(int(r) for r in image_rows)
         self._pool = concurrent.futures.ThreadPoolExecutor(c.workers, "llava-load")
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, c.prefetch))
         self._stop = threading.Event()
@@ -221,7 +288,9 @@ class Loader:
 
     def _produce(self) -> None:
         c = self.data.config
-        stream = _Lookahead(self.data, self.state["counts"], self._pool, 2 * c.workers)
+        window = 2 * c.workers
+        decode = self.image_rows is None
+        stream = _Lookahead(self.data, self.state["counts"], self._pool, window, decode=decode)
         state = {**self.state, "bad": dict(self.state["bad"])}
         try:
             while not self._stop.is_set():
@@ -256,7 +325,26 @@ class Loader:
         order = rows_lib.assign(loads, c.bins, balance=c.balance)
         arrays = {k: v[order] for k, v in arrays.items()}
         metrics = rows_lib.metrics(loads[order], c.bins, c.seq_len)
+        if self.image_rows is None:
+            metrics["images_decoded"] = float(loads[:, 1].sum())
+        else:
+            metrics["images_decoded"] = float(self._decode_local(packer.pending, order, arrays))
         return Batch(arrays, metrics, {**state, "bad": dict(state["bad"])})
+
+    def _decode_local(self, pending: list, order: np.ndarray, arrays: dict) -> int:
+        """Decodes the pending images of this process's rows into ``arrays["images"]``
+        (the workers in parallel); returns how many."""
+        at = np.empty(len(order), np.int64)
+        at[order] = np.arange(len(order))  # packer row -> batch row
+        mine = [(int(at[r]), slot, im) for r, slot, im in pending if int(at[r]) in self.image_rows]
+        futures = [self._pool.submit(self.data.decode, im) for _, _, im in mine]
+        images = arrays.get("images")
+        for (row, slot, _), future in zip(mine, futures, strict=True):
+            if images.ndim == 4:  # one slot per row: stored [B, H, W, C]
+                images[row] = future.result()
+            else:
+                images[row, slot] = future.result()
+        return len(mine)
 
     def _image_shape(self) -> tuple[int, ...] | None:
         p = self.data.processor

@@ -26,6 +26,7 @@ class Packer:
         self.num_rows, self.capacity, self.slots, self.pack = num_rows, capacity, slots, pack
         self.rows: list[list] = []
         self.used: list[list[int]] = []  # [tokens, images] per row
+        self.pending: list[tuple[int, int, object]] = []  # set by arrays()
 
     @property
     def full(self) -> bool:
@@ -57,8 +58,12 @@ class Packer:
     def arrays(
         self, *, pad_id: int, shape: tuple[int, ...] | None
     ) -> tuple[dict[str, np.ndarray], np.ndarray]:
-        """The batch arrays and each row's load ``[R, 2]`` (input tokens, images)."""
+        """The batch arrays and each row's load ``[R, 2]`` (input tokens, images).
+
+        Images not decoded yet (not arrays) stay zeros; :attr:`pending` then lists them
+        as ``(row, slot, image)``."""
         r, c, k = self.num_rows, self.capacity, self.slots
+        self.pending = []
         ids = np.full((r, c), pad_id, np.int32)
         sup = np.zeros((r, c), np.float32)
         segments = np.zeros((r, c), np.int32)
@@ -74,7 +79,10 @@ class Packer:
                 segments[row, at : at + n] = seg
                 positions[row, at : at + n] = np.arange(n)
                 for im in s.images:
-                    images[row, slot] = im
+                    if isinstance(im, np.ndarray):
+                        images[row, slot] = im
+                    else:  # decoded later, if a local device holds the row
+                        self.pending.append((row, slot, im))
                     slot += 1
                 at += n
             loads[row] = (min(at, c - 1), slot)

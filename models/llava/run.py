@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections.abc import Collection
 from typing import Any
 
 from models import tokenizer
@@ -88,12 +89,21 @@ class DataStream:
         data: from :func:`build`.
         bins: ``(microbatches, encoder dp, llm dp)`` for balancing and imbalance metrics.
         state: a checkpoint's ``data.state``.
+        image_rows: the global rows whose images this process decodes (a multi-process
+            run's local rows, :func:`hetjax.runtime.feed.local_rows`); ``None``: all.
     """
 
-    def __init__(self, data: LlavaData, bins: tuple[int, int, int], state: Any = None):
+    def __init__(
+        self,
+        data: LlavaData,
+        bins: tuple[int, int, int],
+        state: Any = None,
+        *,
+        image_rows: Collection[int] | None = None,
+    ):
         data.config = dataclasses.replace(data.config, bins=bins)
         self.data = data
-        self.loader = Loader(data, state)
+        self.loader = Loader(data, state, image_rows=image_rows)
         self.metrics: dict[int, dict[str, float]] = {}
 
     def batch(self, step: int) -> dict[str, Any]:

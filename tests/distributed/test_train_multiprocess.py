@@ -31,6 +31,7 @@ import numpy as np
 import pytest
 
 from tests._xla import subprocess_flags
+from tests.models.llava_fixtures import llava_dir  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 600  # per subprocess: all runs share a loaded 2-core CI machine
@@ -178,6 +179,53 @@ def test_killed_process_stops_every_process_and_is_named(tmp_path):
     assert re.search(r"hetjax: process 1 (failed first \()?died \(OS process \d+ ended\)", p0), p0
     assert len(_rows(metrics)) < 10
     assert "hetjax run summary" not in done.stdout
+
+
+@pytest.mark.multiprocess
+def test_llava_processes_decode_only_the_images_their_devices_hold(llava_dir, tmp_path):  # noqa: F811
+    """LLaVA-format data (0, 1 and 2 images per row) on islands, 2 processes x 4 devices:
+    process 0 holds the vision encoder and decodes every image of each step, process 1
+    holds only the LLM and decodes none; the losses are the single-process run's."""
+    data = [
+        *("--data", llava_dir["train"], "--image-folder", llava_dir["images"]),
+        *("--tokenizer", llava_dir["tokenizer"], "--seq-len", "96"),
+        *("--steps", "4", "--global-batch", "16", "--microbatches", "2"),
+        *LAYOUTS["non-colocated"],
+    ]
+    single_metrics, multi_metrics = tmp_path / "single.jsonl", tmp_path / "multi.jsonl"
+    single = _popen(
+        [
+            "tests.distributed._train_decoded",
+            "--devices",
+            "8",
+            *data,
+            "--metrics",
+            str(single_metrics),
+        ]
+    )
+    multi = _launcher(
+        2, 4, "tests.distributed._train_decoded", [*data, "--metrics", str(multi_metrics)]
+    )
+    done = {"single": _finish(single, "the single-process run"), "multi": _finish(multi, "the run")}
+    for name, result in done.items():
+        assert result.returncode == 0, (name, result.stderr[-4000:])
+    want = [r["loss"] for r in _rows(single_metrics)]
+    rows = _rows(multi_metrics)
+    assert [r["step"] for r in rows] == list(range(4)) and len(want) == 4
+    np.testing.assert_allclose([r["loss"] for r in rows], want, rtol=1e-5)
+
+    def decoded(lines: list[str]) -> tuple[list[int], list[int]]:
+        (line,) = [l for l in lines if l.startswith("images decoded ")]
+        got, images = line.removeprefix("images decoded ").split(" of ")
+        return json.loads(got), json.loads(images)
+
+    one, images = decoded(done["single"].stdout.splitlines())
+    assert one == images and min(images) > 0, (one, images)  # one process: every image
+    vision, images0 = decoded(_lines(done["multi"].stdout, 0))
+    llm, images1 = decoded(_lines(done["multi"].stdout, 1))
+    assert images0 == images1 == images  # the same steps' rows on both processes
+    assert vision == images, vision
+    assert llm == [0] * 4, llm
 
 
 def _free_port() -> int:

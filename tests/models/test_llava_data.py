@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from models.llava import ImageProcessor, Loader, render
+from models.llava import BadSample, ImageProcessor, Loader, render
 from models.llava.images import CLIP_MEAN, CLIP_STD
 from models.llava.rows import Packer
 from tests.models.llava_fixtures import IMAGE_TOKENS, llava_dir, make_data, tok  # noqa: F401
@@ -152,3 +152,67 @@ def test_balancing_evens_tokens_over_dp_ranks(llava_dir, tok):  # noqa: F811
     assert on.metrics["image_imbalance"] <= off.metrics["image_imbalance"]
     # The same rows, reordered.
     assert sorted(map(tuple, on.arrays["tokens"])) == sorted(map(tuple, off.arrays["tokens"]))
+
+
+def _has_image(images):
+    return np.abs(images).reshape(*images.shape[:2], -1).sum(axis=2) > 0  # [B, K]
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_image_rows_decode_only_those_rows(pack, llava_dir, tok):  # noqa: F811
+    """A multi-process run's loader (``image_rows``): the same batches as decoding every
+    image, but pixels only in the given rows, balanced order and packing included."""
+    kw = dict(pack=pack, seq_len=192, global_batch=16, balance=True, bins=(2, 4, 2))
+    whole = _take(Loader(make_data(llava_dir, tok, **kw)), 3)
+    rows = [1, 2, 3, 8, 14]
+    cases = {"all": range(16), "some": rows, "none": ()}
+    for name, chosen in cases.items():
+        got = _take(Loader(make_data(llava_dir, tok, **kw), image_rows=chosen), 3)
+        for want, b in zip(whole, got, strict=True):
+            assert b.state == want.state and set(b.arrays) == set(want.arrays), name
+            for k, v in want.arrays.items():
+                if k != "images":
+                    np.testing.assert_array_equal(b.arrays[k], v, err_msg=f"{name} {k}")
+            mine = np.isin(np.arange(16), list(chosen))
+            np.testing.assert_array_equal(b.arrays["images"][mine], want.arrays["images"][mine])
+            assert not b.arrays["images"][~mine].any(), name
+            assert b.metrics["images_decoded"] == _has_image(want.arrays["images"])[mine].sum()
+            assert want.metrics["images_decoded"] == want.metrics["images_per_step"]
+            same = {k: v for k, v in b.metrics.items() if k != "images_decoded"}
+            assert same == {k: v for k, v in want.metrics.items() if k != "images_decoded"}
+
+
+def test_image_rows_check_headers_alike_and_stop_on_local_pixels(llava_dir, tok, tmp_path):  # noqa: F811
+    """A file that is no image is skipped by every process alike (its header is read
+    either way); one whose header reads but whose pixels do not decode can no longer be
+    skipped alike, so the process that decodes it stops with one line."""
+    real = json.load(open(llava_dir["train"]))
+    one = [r for r in real if isinstance(r.get("image"), str)][:3]
+    folder = tmp_path / "images"
+    folder.mkdir()
+    for r in one:
+        (folder / r["image"]).write_bytes(open(f"{llava_dir['images']}/{r['image']}", "rb").read())
+    (folder / "notpng.png").write_bytes(b"not a png at all")
+    good = (folder / one[0]["image"]).read_bytes()
+    (folder / "cut.png").write_bytes(good[: len(good) // 2])  # the header reads
+    bad = [
+        {**one[0], "id": "notpng", "image": "notpng.png"},
+        {**one[1], "id": "cut", "image": "cut.png"},
+    ]
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in [*one, *bad]))
+    kw = dict(shuffle=False, global_batch=4, skip_bad=True, image_folder=str(folder))
+    # Rows 0-2 are the good records, row 3 the cut one (the other was skipped).
+    for rows in ([0, 1, 2], []):
+        b = _take(Loader(make_data(llava_dir, tok, [(str(path), 1.0)], **kw), image_rows=rows), 1)
+        assert b[0].state["bad"] == {"undecodable_image": 1}, rows
+        assert b[0].metrics["images_decoded"] == len(rows)
+    loader = Loader(make_data(llava_dir, tok, [(str(path), 1.0)], **kw), image_rows=[3])
+    with pytest.raises(BadSample) as e:
+        loader.next()
+    msg = str(e.value)
+    assert e.value.reason == "undecodable_image" and "\n" not in msg
+    assert f"{path} record 4 (id cut)" in msg and msg.endswith("fix or remove the file"), msg
+    # Decoding every image as it loads (one process) skips the cut one too, as before.
+    whole = _take(Loader(make_data(llava_dir, tok, [(str(path), 1.0)], **kw)), 1)[0]
+    assert whole.state["bad"] == {"undecodable_image": 2}
