@@ -43,12 +43,16 @@ Keys:
   (``--quick``: 4), all measured in the same run (the machine is shared: read the
   ratio, not the times). Reported, not a goal the exit status checks.
   The executor's step is host-bound (host time ~ step time). Measured on the 2-core
-  CPU (11 steps, Dec 2026): ~210 ms per step = F/B program launches ~70 ms (about 1 ms
-  per XLA:CPU call, 72 F/B calls), boundary and stage transfers ~115 ms (eager per-shard
-  slices and copies, 32 sends), finish ~20 ms; the in-flight guard's waits are ~55 ms
-  of that, and the same step without the guard took ~165 ms. The 8-device fused step
-  itself swings 0.13-0.58 s with load (its per-microbatch all-reduce over 8 device
-  threads), so the ratio of one run ranges about 0.6-1.8.
+  CPU (11 steps, Dec 2026, two runs back to back on an otherwise idle machine): executor
+  135 / 247 ms per step, fused on 8 devices 147 / 564 ms, fused on 1 device 115 / 140 ms,
+  so ``dispatch_overhead_ratio`` 0.92 / 0.44 and ``dispatch_overhead_ratio_1device``
+  1.18 / 1.76: the host's noise, not the code, sets the spread. The in-flight guard makes
+  no sync at all on this layout (``inflight_syncs_per_step`` 0: it waits only between
+  programs with collectives on shared devices, and here no two are in flight). Before the
+  dispatch work (eager per-shard boundary slices, a guard sync around every program,
+  uncached shardings) the same step took ~210 ms, ~55 ms of it guard waits; under
+  cProfile what is left is ~1.3 ms per XLA:CPU program launch (87 per step) and the
+  boundary's batched ``device_put`` copies.
 
 Exits non-zero unless ``flops_ratio`` is at most 1.02 with ``none``, every row's
 flops ratio orders none < full, and the cp row reduces over cp once per step.
