@@ -7,14 +7,16 @@ captions: Pillow images, a trained BPE tokenizer, text-only / one- / two-image /
 multi-turn records). Four rows, ``pack`` x ``balance``, for the ``small`` preset's
 encoder (``--quick``: ``tiny``): rows of 512 tokens, global batch 32 in 4 microbatches,
 bins of a vision ``dp=8`` and an LLM ``dp=2`` (the default colocated layout on 8
-devices); packed rows have 12 image slots, unpacked ones the most a record has (2). Keys:
+devices); image slots per row are the trainer's default: unpacked, the most a record has
+(2); packed, derived from the data (:func:`models.llava.run.packed_slots`). Keys:
 
+- ``images_per_row``: the loader rows' image slots.
 - ``samples_per_s``: records the loader alone turns into batches per second (reading,
   tokenizing, decoding and resizing images in its worker threads; ``--steps`` batches).
 - ``data_wait_fraction``: the share of step time ``experiments.llava_train`` (reference
   trainer, the preset's model and ``--seq-len``, global batch 32) waits in the loader
   for the next batch, prefetch on (steps after the first, which compiles); packed rows
-  train packed (``--pack``, the same image slots per row).
+  train packed (``--pack``, image slots derived for the preset's sequence length).
 - ``padding_fraction``: padded share of the rows' input tokens.
 - ``image_imbalance``, ``token_imbalance``: max / mean over (microbatch, dp rank) cells of
   real images (encoder ranks) and real tokens (LLM ranks). With vision ``dp=8`` a
@@ -41,12 +43,6 @@ GLOBAL_BATCH = 32
 MICROBATCHES = 4
 BINS = (MICROBATCHES, 8, 2)  # vision dp=8, llm dp=2 (the default colocated layout)
 ROW_TOKENS = 512  # the loader rows' --seq-len: several samples fit a row when packed
-PACKED_SLOTS = 12  # image slots of a packed row
-
-
-def _image_budget(pack: bool) -> int | None:
-    """``max_images_per_microbatch``: packed rows' slots; unpacked, the data's default."""
-    return PACKED_SLOTS * GLOBAL_BATCH // MICROBATCHES if pack else None
 
 
 def _data_config(paths, pack: bool, balance: bool):
@@ -59,7 +55,6 @@ def _data_config(paths, pack: bool, balance: bool):
         tokenizer=paths["tokenizer"],
         pack=pack,
         balance=balance,
-        max_images_per_microbatch=_image_budget(pack),
         workers=4,
         prefetch=2,
     )
@@ -87,9 +82,9 @@ def loader_row(paths, pack: bool, balance: bool, preset: str, steps: int) -> dic
         return statistics.fmean(m[key] for m in metrics)
 
     keys = ("padding_fraction", "image_imbalance", "token_imbalance", "tokens_per_step")
-    return {"pack": pack, "balance": balance, "samples_per_s": samples / elapsed} | {
-        k: mean(k) for k in keys
-    }
+    slots = data.config.images_per_row
+    row = {"pack": pack, "balance": balance, "images_per_row": slots}
+    return row | {"samples_per_s": samples / elapsed} | {k: mean(k) for k in keys}
 
 
 def wait_fraction(paths, pack: bool, balance: bool, preset: str, steps: int, out: str) -> float:
@@ -97,7 +92,7 @@ def wait_fraction(paths, pack: bool, balance: bool, preset: str, steps: int, out
     import subprocess
 
     metrics = os.path.join(out, f"train_{int(pack)}{int(balance)}.jsonl")
-    packing = ["--pack", "--max-images-per-microbatch", str(_image_budget(pack))] if pack else []
+    packing = ["--pack"] if pack else []
     cmd = [
         *(sys.executable, "-m", "experiments.llava_train", "--model", preset),
         *("--data", paths["train"], "--image-folder", paths["images"]),

@@ -560,6 +560,8 @@ def _hooks(
         f"{config.model.dtype}",
         "data": _AtEnd(stream.summary),  # skip and truncation counts, read at the end
     }
+    if config.data.sources:  # the image budget and where it came from (flag or data)
+        summary["image slots"] = run.dataset.image_budget
     hooks.append(hetjax.Summary(summary))
     return hooks
 

@@ -86,6 +86,11 @@ def test_train_stop_resume_sees_the_same_batches_and_counts_skips(argv):
     data_line = next(line for line in summary.splitlines() if line.strip().startswith("data"))
     for reason in ("unknown_role", "no_conversations", "image_count", "malformed_json"):
         assert f"{REASONS[reason]} 1" in data_line, data_line
+    # ... and the image slots with where they came from: --pack without the flag, so
+    # derived from the data, as build() derived them here.
+    slots = next(line for line in summary.splitlines() if line.strip().startswith("image slots"))
+    assert slots.split("image slots", 1)[1].strip() == data.image_budget, slots
+    assert "derived from the data (--pack)" in slots, slots
 
 
 def test_bad_input_stops_before_training_with_one_line(argv, tmp_path):

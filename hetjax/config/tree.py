@@ -86,7 +86,9 @@ class DataConfig:
         "crop", "crop: CLIP's shortest-side resize and centre crop; pad: square with the mean first"
     )
     max_images_per_microbatch: int | None = doc(
-        None, "image slots per microbatch, split evenly over its rows (None: the most per record)"
+        None,
+        "image slots per microbatch, split evenly over its rows (None: the most per record; "
+        "packed, derived from the data)",
     )
     pack: bool = doc(False, "pack several samples into each seq_len row")
     balance: bool = doc(False, "order each step's rows so dp ranks get even tokens and images")

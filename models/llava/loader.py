@@ -108,6 +108,8 @@ class LlavaData:
             images than rows have slots (without ``skip_bad``).
     """
 
+    image_budget = ""  # where config.images_per_row came from (models.llava.run.build)
+
     def __init__(
         self,
         sources: Sequence[tuple[str, float]],

@@ -16,6 +16,9 @@ work each rank's rows carry; it pays where kernels skip padding and masked image
 
 from __future__ import annotations
 
+import types
+from collections.abc import Iterable
+
 import numpy as np
 
 
@@ -95,6 +98,24 @@ class Packer:
         if images is not None:
             out["images"] = images[:, 0] if k == 1 else images
         return out, loads
+
+
+def packed_images(samples: Iterable[tuple[int, int]], num_rows: int, capacity: int) -> list[int]:
+    """Images per row when ``(tokens, images)`` samples pack as the loader packs them (first
+    fit over a step's ``num_rows`` rows of ``capacity`` tokens; a step ends at the first
+    sample no row takes, which starts the next), with no limit on a row's images.
+
+    Counts the rows of the steps that filled; the last, unfinished step counts only when
+    no step filled (its later rows would still take samples)."""
+    done: list[int] = []
+    packer = Packer(num_rows, capacity, capacity, pack=True)
+    for n, k in samples:
+        shape = types.SimpleNamespace(ids=range(n), images=range(k))
+        if not packer.add(shape):
+            done += [i for _, i in packer.used]
+            packer = Packer(num_rows, capacity, capacity, pack=True)
+            packer.add(shape)
+    return done or [i for _, i in packer.used]
 
 
 def assign(loads: np.ndarray, bins: tuple[int, int, int], *, balance: bool) -> np.ndarray:

@@ -8,16 +8,21 @@ the position a checkpoint stores.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import math
 import time
 from collections.abc import Collection
 from typing import Any
 
+import numpy as np
+
 from models import tokenizer
 from models.config import MLLMConfig
+from models.llava import rows as rows_lib
 from models.llava.images import ImageProcessor
 from models.llava.loader import LlavaData, Loader, LoaderConfig, summary_counts
+from models.llava.records import BadSample
 from models.llava.text import HFTokenizer
 
 
@@ -68,18 +73,71 @@ def build(
     if out.max_images and vision is None:
         raise ValueError(f"the records have images but model {model.name!r} has no vision encoder")
     budget = data.max_images_per_microbatch
-    if budget is None:
-        slots = max(1, out.max_images)
-    elif rows and budget % rows:
-        up = math.ceil(budget / rows) * rows
-        raise ValueError(
-            f"max_images_per_microbatch={budget} does not split over a microbatch's {rows} "
-            f"rows; use max_images_per_microbatch={up}"
-        )
+    if budget is not None:
+        if rows and budget % rows:
+            up = math.ceil(budget / rows) * rows
+            raise ValueError(
+                f"max_images_per_microbatch={budget} does not split over a microbatch's {rows} "
+                f"rows; use max_images_per_microbatch={up}"
+            )
+        slots, source = budget // rows, "--max-images-per-microbatch"
+    elif data.pack and out.max_images:
+        slots, source = packed_slots(out)
     else:
-        slots = budget // rows
+        slots = max(1, out.max_images)
+        source = "the most images one record has (--max-images-per-microbatch sets it)"
     out.config = dataclasses.replace(cfg, images_per_row=slots)
+    out.image_budget = f"{slots} per row, {slots * rows} per microbatch of {rows} rows: {source}"
     return out, model
+
+
+# The packed default's sample: the records a run reads first, and the share of packed rows
+# whose images fit the slots.
+PACKED_RECORDS = 2048
+PACKED_QUANTILE = 0.9
+
+
+def packed_slots(data: LlavaData, records: int = PACKED_RECORDS) -> tuple[int, str]:
+    """The image slots per packed row, from the data, and a line saying how.
+
+    The first ``records`` records of the stream (all, if fewer; tokenized as the loader
+    does, image headers read, pixels not decoded; records the loader would skip left out)
+    are packed as the loader packs them but with no limit on a row's images
+    (:func:`models.llava.rows.packed_images`). The slots are the :data:`PACKED_QUANTILE`
+    quantile of those rows' images: the image-richest tenth of rows then closes to
+    further image samples a little early (text-only samples still fill it), while every
+    row stops paying the encoder for slots only a rare row would fill. At least the most
+    images one record has (no record is skipped for its images), at most
+    ``(seq_len + 1) // image_tokens`` (more placeholders never fit a row).
+    """
+    c = data.config
+    bound = max(1, (c.seq_len + 1) // c.image_tokens)
+    data.config = dataclasses.replace(c, images_per_row=max(bound, data.max_images))
+    counts = [0] * len(data.files)
+    n = min(records, sum(len(f) for f in data.files))
+    drawn = [data.draw(counts) for _ in range(n)]
+
+    def shape(s: int, j: int) -> tuple[int, int] | None:
+        try:
+            sample = data.load(s, j, decode=False)
+        except BadSample:  # skipped or stopped at by the loader, as it says
+            return None
+        return len(sample.ids), len(sample.images)
+
+    with concurrent.futures.ThreadPoolExecutor(max(1, c.workers)) as pool:
+        samples = [x for x in pool.map(shape, *zip(*drawn, strict=True)) if x is not None]
+    data.config = c
+    per_row = np.asarray(rows_lib.packed_images(samples, c.global_batch, c.seq_len + 1))
+    q = int(np.quantile(per_row, PACKED_QUANTILE, method="higher"))
+    slots = min(bound, max(q, data.max_images))
+    pct = round(PACKED_QUANTILE * 100)
+    return slots, (
+        f"derived from the data (--pack): {pct}% of the {len(per_row)} rows in the full "
+        f"steps of the first {len(samples)} records, packed with no slot limit, hold at "
+        f"most {q} images "
+        f"(mean {per_row.mean():.1f}, max {per_row.max()}); at least a record's most "
+        f"({data.max_images}), at most a row's {bound}; --max-images-per-microbatch sets it"
+    )
 
 
 class DataStream:
