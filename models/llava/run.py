@@ -124,19 +124,26 @@ def packed_slots(data: LlavaData, records: int = PACKED_RECORDS) -> tuple[int, s
             return None
         return len(sample.ids), len(sample.images)
 
-    with concurrent.futures.ThreadPoolExecutor(max(1, c.workers)) as pool:
-        samples = [x for x in pool.map(shape, *zip(*drawn, strict=True)) if x is not None]
-    data.config = c
+    try:
+        with concurrent.futures.ThreadPoolExecutor(max(1, c.workers)) as pool:
+            samples = [x for x in pool.map(shape, *zip(*drawn, strict=True)) if x is not None]
+    finally:
+        data.config = c
+    if not samples:  # every record drawn is one the loader skips: nothing to measure
+        return max(1, min(bound, data.max_images)), (
+            f"the most images one record has: none of the first {n} records loads to "
+            "derive more from; --max-images-per-microbatch sets it"
+        )
     per_row = np.asarray(rows_lib.packed_images(samples, c.global_batch, c.seq_len + 1))
     q = int(np.quantile(per_row, PACKED_QUANTILE, method="higher"))
     slots = min(bound, max(q, data.max_images))
     pct = round(PACKED_QUANTILE * 100)
     return slots, (
         f"derived from the data (--pack): {pct}% of the {len(per_row)} rows in the full "
-        f"steps of the first {len(samples)} records, packed with no slot limit, hold at "
-        f"most {q} images "
-        f"(mean {per_row.mean():.1f}, max {per_row.max()}); at least a record's most "
-        f"({data.max_images}), at most a row's {bound}; --max-images-per-microbatch sets it"
+        f"steps of the first {n} records ({n - len(samples)} skipped), packed with no slot "
+        f"limit, hold at most {q} images (mean {per_row.mean():.1f}, max {per_row.max()}); "
+        f"at least a record's most ({data.max_images}), at most a row's {bound}; "
+        "--max-images-per-microbatch sets it"
     )
 
 

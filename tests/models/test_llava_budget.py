@@ -108,3 +108,10 @@ def test_packed_default_is_the_quantile_of_the_loaders_own_rows(llava_dir):  # n
 def test_a_budget_that_does_not_split_over_rows_still_stops(pack, llava_dir):  # noqa: F811
     with pytest.raises(ValueError, match="use max_images_per_microbatch=8"):
         _build(llava_dir, pack=pack, max_images_per_microbatch=ROWS + 1)
+
+
+def test_packed_default_without_a_loadable_record_is_a_records_most(llava_dir):  # noqa: F811
+    data = _build(llava_dir)
+    slots, source = llava_run.packed_slots(data, records=0)
+    assert slots == data.max_images == 2
+    assert source.startswith("the most images one record has: none of the first 0 records")
