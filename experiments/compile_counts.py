@@ -32,6 +32,7 @@ import sys
 LAYOUTS = ("vision:dp=4", "llm:dp=2,pp=2")
 STAGE_PROGRAM = re.compile(r"jit\((\w+_s\d+_(fwd|bwd|zeros|reduce|update)|_opt_init)\)")
 PREFIX = "compile-counts "
+MODULE = "experiments.compile_counts"
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -93,6 +94,65 @@ def main(argv: list[str] | None = None) -> dict:
     }
     print(PREFIX + json.dumps(result), flush=True)
     return result
+
+
+def measure(
+    args: list[str] = (), *, processes: int = 2, devices: int = 8, timeout_s: float = 600
+) -> dict:
+    """Runs ``args`` in one process on ``devices`` devices and, at the same time, under
+    ``python -m hetjax.launch`` as ``processes`` x ``devices / processes``; returns
+    ``{"single": result, "multi": [result per process]}`` (each :func:`main`'s).
+
+    Raises:
+        RuntimeError: a run failed or ran past ``timeout_s`` (its stderr's tail).
+    """
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HETJAX_", "SLURM_"))}
+    # The children set their own device counts; keep XLA's other flags.
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    env["XLA_FLAGS"] = " ".join(flags)
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    per = str(devices // processes)
+    launch = ["hetjax.launch", "--processes", str(processes), "--devices-per-process", per]
+    commands = {
+        "single": [MODULE, "--devices", str(devices), *args],
+        "multi": [*launch, "--timeout", str(int(timeout_s)), "--", MODULE, *args],
+    }
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, "-m", *cmd],
+            cwd=root,
+            env=env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )  # fmt: skip
+        for name, cmd in commands.items()
+    }
+    out = {}
+    try:
+        for name, proc in procs.items():
+            try:
+                stdout, stderr = proc.communicate(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                what = f"compile_counts: the {name}-process run passed {timeout_s} s"
+                raise RuntimeError(what) from None
+            rows = read(stdout)
+            if proc.returncode != 0 or len(rows) != (1 if name == "single" else processes):
+                raise RuntimeError(
+                    f"compile_counts: the {name}-process run failed ({proc.returncode}):\n"
+                    + stderr[-3000:]
+                )
+            out[name] = rows[0] if name == "single" else rows
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+    return out
 
 
 def read(stdout: str) -> list[dict]:
