@@ -80,6 +80,7 @@ class Program:
         self._observers = observers
         self._seen: set = set()
         self._collectives: dict[Any, bool] = {}
+        self._abstract: dict = {}  # signature -> jax.eval_shape of the call
 
     def __call__(self, *args: Any) -> Any:
         if self._observers.compile:
@@ -101,6 +102,15 @@ class Program:
         if known is None:
             known = self._collectives[key] = has_collectives(self.lower(*args).compile())
         return known
+
+    def eval_shape(self, *args: Any) -> Any:
+        """The call's outputs as ``ShapeDtypeStruct`` s (with the pinned output shardings),
+        traced once per argument signature and never compiled: what a process that owns
+        none of the program's devices stands in for them with."""
+        key = signature(args)
+        if key not in self._abstract:
+            self._abstract[key] = self.jitted.eval_shape(*args)
+        return self._abstract[key]
 
     def lower(self, *args: Any) -> jax.stages.Lowered:
         """Lowers for ``args`` (arrays or ``jax.ShapeDtypeStruct``), like ``jit(...).lower``."""

@@ -155,7 +155,11 @@ def finish_step_multiprocess(
     *,
     sink_last: StageKey,
 ) -> tuple[TrainState, StepMetrics]:
-    """As :func:`finish_step`, with scalars summed on the host across processes."""
+    """As :func:`finish_step`, with scalars summed on the host across processes.
+
+    A stage on other processes' devices only (``StageProgram.local`` False) is neither
+    reduced nor updated here: its state stays the stand-ins it is, and its norms count
+    zero, under the names its owners report (every process sums the same names)."""
     from jax.experimental import multihost_utils
 
     def owned(key: StageKey) -> bool:  # this process reports the stage's scalars
@@ -173,12 +177,21 @@ def finish_step_multiprocess(
                 out[name] += float(v.addressable_data(0)) if owned(key) else 0.0
         return out
 
-    reduced = {k: p.reduce(acc[k]) for k, p in programs.items()}
+    def names_only(names) -> dict[str, None]:  # a remote stage's norms, never read
+        return dict.fromkeys(names)
+
+    reduced = {
+        k: p.reduce(acc[k]) if p.local else (None, names_only(p.acc_shardings))
+        for k, p in programs.items()
+    }
     sq = allsum(local_sums({k: r[1] for k, r in reduced.items()}))
     global_norm = float(np.sqrt(sum(sq.values())))
     params, opt_state = dict(state.params), dict(state.opt_state)
     param_norms = {}
     for k, p in programs.items():
+        if not p.local:
+            param_norms[k] = names_only(p.param_shardings)
+            continue
         params[k], opt_state[k], param_norms[k] = p.update(
             params[k],
             opt_state[k],

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Literal
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +33,7 @@ from hetjax.boundary import (
 )
 from hetjax.meshes import BATCH_AXES, ModuleMesh, batch_sharding, sequence_axes
 from hetjax.ops.token_routing import Routed, exchange_routed, gather_routes, scatter_routes
+from hetjax.runtime.programs import owns_any, stand_in
 
 Direction = Literal["forward", "backward"]
 
@@ -90,6 +91,16 @@ def _directed(boundary: Boundary, shape: tuple[int, ...], dtype, direction: Dire
     reverse for a cotangent."""
     plan = boundary.plan(shape, dtype)
     return plan if direction == "forward" else plan.reverse()
+
+
+def _owned(fn: Any, x: jax.Array, *args: Any) -> jax.Array:
+    """``fn(x, *args)`` (a jitted routing step with pinned output sharding, on the
+    devices of ``x``), or where this process owns none of those devices, a stand-in of
+    its output: nothing compiles or runs for another process's stage."""
+    if owns_any(x.sharding.device_set):
+        return fn(x, *args)
+    out = fn.eval_shape(x, *args)  # the jitted function's: its static arguments stay
+    return stand_in(out, out.sharding)
 
 
 class LinkTransfer:
@@ -164,17 +175,17 @@ class LinkTransfer:
             return x if self.boundary is None else self.boundary.forward(x)
         if route.send is not None:
             split = self.routed_boundary.forward(x)
-            return Routed(self._exchange(split, route.send, route.recv))
-        return Routed(self.routed_boundary.forward(self._gather(x, route.index)))
+            return Routed(_owned(self._exchange, split, route.send, route.recv))
+        return Routed(self.routed_boundary.forward(_owned(self._gather, x, route.index)))
 
     def backward(self, ct: jax.Array | Routed, route: Route | None = None) -> jax.Array:
         if not isinstance(ct, Routed):
             return ct if self.boundary is None else self.boundary.backward(ct)
         if route.send is not None:
-            split = self._exchange_t(ct.tokens, route.send, route.recv, route.num_tokens)
-            return self.routed_boundary.backward(split)
+            t = _owned(self._exchange_t, ct.tokens, route.send, route.recv, route.num_tokens)
+            return self.routed_boundary.backward(t)
         ct = self.routed_boundary.backward(ct.tokens)
-        return self._scatter(ct, route.index, route.num_tokens)
+        return _owned(self._scatter, ct, route.index, route.num_tokens)
 
     def collective(self, x: jax.Array | Routed, route: Route | None, direction: Direction) -> bool:
         """Whether moving ``x`` runs a collective program: token routing, a reshard among
