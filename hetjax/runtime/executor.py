@@ -33,6 +33,7 @@ import numpy as np
 import optax
 
 from hetjax import schedules as hs
+from hetjax.distributed.rendezvous import FirstCalls
 from hetjax.runtime.feed import Feed
 from hetjax.runtime.graph import TrainGraph
 from hetjax.runtime.inflight import InFlight
@@ -113,6 +114,12 @@ class Executor:
         # that span processes are collectives, issued by each process owning a device of
         # them, in the one order of the ops.
         self.multiprocess = jax.process_count() > 1
+        # Programs compile on their first call, and processes compile different ones, so
+        # the first call of each program whose collectives span processes (stage programs,
+        # transfers, the finish's host all-gathers) compiles ahead and then meets the
+        # processes of its devices (hetjax.distributed.rendezvous): a peer never waits at a
+        # collective's 30 s communicator set-up while another still compiles.
+        self._first_calls = FirstCalls()  # the finish's meetings
         self.programs: dict[StageKey, StageProgram] = {
             key: StageProgram(
                 self.graph.module(key[0]),
@@ -371,7 +378,13 @@ class Executor:
         if self.multiprocess:
             sink_last = (self.graph.sink, self.graph.module(self.graph.sink).layout.pp - 1)
             self.state, metrics = finish_step_multiprocess(
-                self.programs, self.state, acc, losses, normalizer, sink_last=sink_last
+                self.programs,
+                self.state,
+                acc,
+                losses,
+                normalizer,
+                sink_last=sink_last,
+                first_calls=self._first_calls,
             )
         else:
             self.state, metrics = finish_step(

@@ -70,11 +70,12 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from hetjax.distributed.rendezvous import FirstCalls
 from hetjax.meshes import BATCH_AXES, activation_sharding, param_shardings, sequence_axes
 from hetjax.ops.context import cp_is_manual, parallel_context
 from hetjax.ops.token_routing import Routed
 from hetjax.runtime.graph import ModuleSpec
-from hetjax.runtime.jitted import Program
+from hetjax.runtime.jitted import Program, program_name
 from hetjax.runtime.observers import Observers
 from hetjax.runtime.optim import OptimizerConfig, make_optimizer
 from hetjax.runtime.state import slice_stage
@@ -306,6 +307,7 @@ class StageProgram:
                 transform_non_params=lambda _: self.replicated,
             )
         self._init_opt = jax.jit(self._opt_init, out_shardings=self.state_shardings)
+        self._first_calls = FirstCalls()  # the optimizer-state init's (multi-process)
         self.update = program(
             self._update,
             "update",
@@ -337,6 +339,8 @@ class StageProgram:
         trained = self.trainable_of(params)
         if not self.local:
             return stand_in(jax.eval_shape(self._init_opt, trained), self.replicated)
+        name = program_name((self.spec.name, self.stage), "opt_init")
+        self._first_calls.ready(name, self._init_opt, trained)
         return self._init_opt(trained)
 
     def stand_in(self, kind: str, *args: Any) -> Any:
