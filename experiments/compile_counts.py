@@ -14,7 +14,9 @@ prints one line per process: ``compile-counts {json}`` with
   optimizer-state initialisation, transfers and every small eager op;
 - ``stage_programs``: of those, the stage programs (``<module>_s<i>_<kind>`` and the
   optimizer-state initialisation), the programs of :class:`hetjax.runtime.StageProgram`;
-- ``names``: what compiled, in order; ``losses``: every step's loss.
+- ``names``: what compiled, in order; ``losses``: every step's loss;
+- ``meetings``: barriers this process waited at before a first call of a program whose
+  collectives span processes (:mod:`hetjax.distributed.rendezvous`; 0 in one process).
 
 A process compiles only the stages whose devices include one of its own (the others'
 outputs are stand-ins, ``StageProgram.stand_in``), so under 2 x 4 each process's counts
@@ -56,6 +58,7 @@ def main(argv: list[str] | None = None) -> dict:
     import jax
 
     import hetjax
+    from hetjax.distributed import rendezvous
     from hetjax.inspect import CompileCounter
     from models.config import get_preset
     from models.data import DataConfig, SyntheticLlava
@@ -90,6 +93,7 @@ def main(argv: list[str] | None = None) -> dict:
         "stage_programs": sum(1 for n in counter.names if STAGE_PROGRAM.fullmatch(n)),
         "local_stages": sorted(f"{k[0]}/{k[1]}" for k, p in ex.programs.items() if p.local),
         "names": counter.names,
+        "meetings": rendezvous.meetings(),
         "losses": losses,
     }
     print(PREFIX + json.dumps(result), flush=True)

@@ -49,6 +49,11 @@ _COLLECTIVE = re.compile(
 _met: Counter[tuple[str, tuple[int, ...]]] = Counter()  # (name, processes) -> meetings
 
 
+def meetings() -> int:
+    """How many barriers this process has waited at (:func:`meet` with 2+ processes)."""
+    return sum(_met.values())
+
+
 def has_collectives(compiled: jax.stages.Compiled) -> bool:
     """Whether ``compiled`` runs a cross-device collective (from its optimized HLO)."""
     return _COLLECTIVE.search(compiled.as_text()) is not None

@@ -46,6 +46,10 @@ def test_each_process_compiles_only_its_own_stages(case):
         assert mine == set(p["local_stages"]), (p["process"], p["names"])
         assert p["stage_programs"] < single["stage_programs"], (p, single["stage_programs"])
         np.testing.assert_allclose(p["losses"], single["losses"], rtol=1e-5)
+    # The first calls of the programs spanning both processes (the transfers between the
+    # islands, the finish's all-gathers) met both at a barrier, each as often.
+    assert single["meetings"] == 0
+    assert multi[0]["meetings"] == multi[1]["meetings"] > 0, multi
     # Every stage program is compiled exactly once, by the process that owns the stage.
     assert sum(p["stage_programs"] for p in multi) == single["stage_programs"]
     assert len(set(single["losses"])) == len(single["losses"])  # it does train
