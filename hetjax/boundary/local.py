@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from hetjax.distributed.rendezvous import FirstCalls
+
 from .edge import BoundaryError
 from .plan import Lane, Region, TransferPlan, region_of
 
@@ -89,6 +91,13 @@ def zeros_on(device: jax.Device, shape: tuple[int, ...], dtype: str) -> jax.Arra
     return jnp.zeros(shape, dtype, device=device)
 
 
+# Multi-process: the first call of a cached transfer program (per cache key and
+# signature) compiles it and meets the processes of its devices when its collectives span
+# them (hetjax.distributed.rendezvous). Keyed by what the caches are keyed by, so every
+# process decides alike even where their caches evict differently.
+FIRST_CALLS = FirstCalls()
+
+
 @functools.lru_cache(maxsize=256)
 def _reshard_fn(sharding: NamedSharding):
     return jax.jit(lambda a: a, out_shardings=sharding)
@@ -109,7 +118,9 @@ def to_sharding(x: jax.Array, sharding: NamedSharding, what: str) -> jax.Array:
             f"{what}: input lives on devices {ids} but the edge expects devices {want}; produce"
             " it on the endpoint's mesh (e.g. jit(..., out_shardings=endpoint.sharding))"
         )
-    return _reshard_fn(sharding)(x)
+    fn = _reshard_fn(sharding)
+    FIRST_CALLS.ready(f"reshard {what}", fn, x, key=sharding)
+    return fn(x)
 
 
 def traced_reshard(plan: TransferPlan, x: jax.Array) -> jax.Array:
@@ -117,9 +128,14 @@ def traced_reshard(plan: TransferPlan, x: jax.Array) -> jax.Array:
 
     Traced, a sharding constraint; eager, ``jax.device_put`` onto the same device set,
     which reshards on device (the host round trip only concerns disjoint device sets).
+    An array spanning processes takes the same reshard as a cached jit (what
+    ``device_put`` compiles for it inside), so that its first call meets its processes
+    (:data:`FIRST_CALLS`).
     """
     if is_traced(x):
         return jax.lax.with_sharding_constraint(x, plan.edge.dst.sharding)
+    if not x.is_fully_addressable:
+        return to_sharding(x, plan.edge.dst.sharding, f"edge {plan.edge.name()}")
     return jax.device_put(x, plan.edge.dst.sharding)
 
 
@@ -145,6 +161,7 @@ def spread(plan: TransferPlan, chunks: dict[int, jax.Array]) -> jax.Array:
         return jax.make_array_from_single_device_arrays(plan.shape, dst, blocks)
     blocks = [chunks[d.id] if d.id in chunks else program.zeros[d.id] for d in program.local]
     staging = jax.make_array_from_single_device_arrays(program.staged_shape, program.staged, blocks)
+    FIRST_CALLS.ready(f"broadcast edge {plan.edge.name()}", program.fn, staging, key=plan)
     return program.fn(staging)
 
 

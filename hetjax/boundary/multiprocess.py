@@ -25,7 +25,15 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from .local import assemble, shard_block, spread, to_sharding, traced_reshard, zeros_on
+from .local import (
+    FIRST_CALLS,
+    assemble,
+    shard_block,
+    spread,
+    to_sharding,
+    traced_reshard,
+    zeros_on,
+)
 from .plan import Copy, Region, TransferPlan
 from .transport import check_eager, copies_by_destination
 
@@ -138,6 +146,7 @@ class MultiProcessTransport:
             ]
             shape = (size * r.shape[0], *r.shape[1:])
             inputs.append(jax.make_array_from_single_device_arrays(shape, sharding, buffers))
+        FIRST_CALLS.ready(f"permute edge {plan.edge.name()}", program.fn, *inputs, key=plan)
         outputs = program.fn(*inputs)
         received: dict[int, dict[Copy, jax.Array]] = {}
         for r, out in zip(program.rounds, outputs, strict=True):

@@ -33,6 +33,7 @@ import numpy as np
 import optax
 
 from hetjax import schedules as hs
+from hetjax.distributed.rendezvous import FirstCalls
 from hetjax.runtime.feed import Feed
 from hetjax.runtime.graph import TrainGraph
 from hetjax.runtime.inflight import InFlight
@@ -106,9 +107,19 @@ class Executor:
         devices = list(devices)
         self.meshes = plan.meshes(devices)
         self.anchor = devices[0]  # where per-stage scalars meet (norms, loss)
-        # Multi-controller: every process walks the same ops; programs whose devices are
-        # all remote are no-ops here; transfers are collectives on union meshes.
+        # Multi-controller: every process walks the same ops. A stage whose devices are
+        # all other processes' is never compiled or run here: stand-ins with no local
+        # shards (StageProgram.stand_in, from jax.eval_shape) take its outputs' place, so
+        # the transfers into and out of it still see their shapes. Transfers and stages
+        # that span processes are collectives, issued by each process owning a device of
+        # them, in the one order of the ops.
         self.multiprocess = jax.process_count() > 1
+        # Programs compile on their first call, and processes compile different ones, so
+        # the first call of each program whose collectives span processes (stage programs,
+        # transfers, the finish's host all-gathers) compiles ahead and then meets the
+        # processes of its devices (hetjax.distributed.rendezvous): a peer never waits at a
+        # collective's 30 s communicator set-up while another still compiles.
+        self._first_calls = FirstCalls()  # the finish's meetings
         self.programs: dict[StageKey, StageProgram] = {
             key: StageProgram(
                 self.graph.module(key[0]),
@@ -223,6 +234,9 @@ class Executor:
         params = self.state.params
         acc = {}
         for k, p in self.programs.items():
+            if not p.local:
+                acc[k] = p.stand_in("zeros")
+                continue
             t0 = time.perf_counter()
             acc[k] = p.zeros()
             self._record(k, "zeros", (), acc[k], t0)
@@ -282,7 +296,8 @@ class Executor:
                 src = op.peer
                 g_src, collective = self._send_backward(op, feed, gx)
                 prev = grads_in.get((src, m))
-                grads_in[(src, m)] = g_src if prev is None else prev + g_src
+                local = self.programs[src].local  # a stand-in is not summed: no values
+                grads_in[(src, m)] = g_src if prev is None or not local else prev + g_src
                 devices = prog.devices | self.programs[src].devices
                 self._inflight.hold(devices, grads_in[(src, m)], collective)
         if self.offload_encoders and phase == 1:  # no encoder backward ran (all frozen)
@@ -290,7 +305,10 @@ class Executor:
         return self._finish(acc, losses, normalizer)
 
     def _run(self, op: Op, prog: StageProgram, kind: str, args: tuple, profile: bool) -> Any:
-        """Dispatches one F/B program call (waits for it when profiling)."""
+        """Dispatches one F/B program call (waits for it when profiling); on a process
+        that owns none of the stage's devices, returns stand-ins and runs nothing."""
+        if not prog.local:
+            return prog.stand_in(kind, *args)
         t0 = time.perf_counter()
         collective = self._inflight.enabled and prog.collectives(kind, *args)
         self._inflight.wait(prog.devices, collective)
@@ -360,7 +378,13 @@ class Executor:
         if self.multiprocess:
             sink_last = (self.graph.sink, self.graph.module(self.graph.sink).layout.pp - 1)
             self.state, metrics = finish_step_multiprocess(
-                self.programs, self.state, acc, losses, normalizer, sink_last=sink_last
+                self.programs,
+                self.state,
+                acc,
+                losses,
+                normalizer,
+                sink_last=sink_last,
+                first_calls=self._first_calls,
             )
         else:
             self.state, metrics = finish_step(

@@ -4,7 +4,9 @@ Dispatch goes through the jitted function itself (JAX's C++ fast path). When an 
 listens for compiles, the first call with a new argument signature (tree structure,
 shapes, dtypes, shardings) also lowers and compiles the function ahead of time and hands
 the ``Compiled`` object over; JAX shares that executable with the jitted call, so the
-program is still compiled once. Without such an observer no signature is computed.
+program is still compiled once. In a multi-process run every first call does so, then
+meets the other processes of the program's devices if its collectives span them
+(:mod:`hetjax.distributed.rendezvous`). Otherwise no signature is computed.
 
 Every program is named after its stage and kind (:func:`program_name`, e.g.
 ``llm_s1_bwd``): that name is the jitted function's, so XLA's module is ``jit_llm_s1_bwd``
@@ -16,33 +18,13 @@ so the HLO ops carry it in their metadata.
 from __future__ import annotations
 
 import functools
-import re
 from collections.abc import Callable
 from typing import Any
 
 import jax
 
+from hetjax.distributed.rendezvous import has_collectives, meet_compiled, signature
 from hetjax.runtime.observers import Observers
-
-
-def signature(args: tuple) -> Any:
-    """What decides which executable a call uses (hashable)."""
-    leaves, tree = jax.tree.flatten(args)
-    return tree, tuple(
-        (a.shape, a.dtype, a.sharding) if isinstance(a, jax.Array) else type(a) for a in leaves
-    )
-
-
-# Cross-device communication in a compiled HLO module (async forms start with these too).
-_COLLECTIVE = re.compile(
-    r"\b(all-reduce|all-gather|all-to-all|reduce-scatter|collective-permute|collective-broadcast"
-    r"|ragged-all-to-all)(-start)?\("
-)
-
-
-def has_collectives(compiled: jax.stages.Compiled) -> bool:
-    """Whether ``compiled`` runs a cross-device collective (from its optimized HLO)."""
-    return _COLLECTIVE.search(compiled.as_text()) is not None
 
 
 def program_name(stage: tuple[str, int], kind: str) -> str:
@@ -78,15 +60,25 @@ class Program:
         self.jitted = jax.jit(_named(fn, self.name), **jit_kwargs)
         self.stage, self.kind = stage, kind
         self._observers = observers
+        # Multi-process: a first call compiles ahead and meets the processes of the
+        # program's devices when its collectives span them (hetjax.distributed.rendezvous:
+        # no peer waits at a first collective while another still compiles). One process
+        # never meets; its calls pay only the check below, as with no compile observer.
+        self._multiprocess = jax.process_count() > 1
         self._seen: set = set()
         self._collectives: dict[Any, bool] = {}
+        self._abstract: dict = {}  # signature -> jax.eval_shape of the call
 
     def __call__(self, *args: Any) -> Any:
-        if self._observers.compile:
+        if self._multiprocess or self._observers.compile:
             key = signature(args)
             if key not in self._seen:
                 self._seen.add(key)
-                self._observers.on_compile(self.stage, self.kind, self.lower(*args).compile())
+                compiled = self.lower(*args).compile()
+                if self._observers.compile:
+                    self._observers.on_compile(self.stage, self.kind, compiled)
+                if self._multiprocess:
+                    meet_compiled(self.name, compiled)
         return self.jitted(*args)
 
     def collectives(self, *args: Any) -> bool:
@@ -101,6 +93,15 @@ class Program:
         if known is None:
             known = self._collectives[key] = has_collectives(self.lower(*args).compile())
         return known
+
+    def eval_shape(self, *args: Any) -> Any:
+        """The call's outputs as ``ShapeDtypeStruct`` s (with the pinned output shardings),
+        traced once per argument signature and never compiled: what a process that owns
+        none of the program's devices stands in for them with."""
+        key = signature(args)
+        if key not in self._abstract:
+            self._abstract[key] = self.jitted.eval_shape(*args)
+        return self._abstract[key]
 
     def lower(self, *args: Any) -> jax.stages.Lowered:
         """Lowers for ``args`` (arrays or ``jax.ShapeDtypeStruct``), like ``jit(...).lower``."""

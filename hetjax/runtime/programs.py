@@ -70,11 +70,12 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from hetjax.distributed.rendezvous import FirstCalls
 from hetjax.meshes import BATCH_AXES, activation_sharding, param_shardings, sequence_axes
 from hetjax.ops.context import cp_is_manual, parallel_context
 from hetjax.ops.token_routing import Routed
 from hetjax.runtime.graph import ModuleSpec
-from hetjax.runtime.jitted import Program
+from hetjax.runtime.jitted import Program, program_name
 from hetjax.runtime.observers import Observers
 from hetjax.runtime.optim import OptimizerConfig, make_optimizer
 from hetjax.runtime.state import slice_stage
@@ -169,6 +170,27 @@ def put_global(value: Any, sharding: NamedSharding) -> jax.Array:
     )
 
 
+def owns_any(devices: Any) -> bool:
+    """Whether this process owns one of ``devices`` (always, in a single process)."""
+    me = jax.process_index()
+    return any(d.process_index == me for d in devices)
+
+
+def stand_in(abstract: Any, sharding: NamedSharding) -> Any:
+    """Arrays with no local shards in place of ``abstract`` (``ShapeDtypeStruct`` s, e.g.
+    from ``jax.eval_shape``), for a process that owns none of their devices: each leaf
+    takes its own sharding, or ``sharding`` where it has none (an output left to XLA).
+    Nothing compiles or runs; a transfer issued with them moves only shape and dtype."""
+
+    def leaf(a: jax.ShapeDtypeStruct) -> jax.Array:
+        where = a.sharding if a.sharding is not None else sharding
+        if owns_any(where.device_set):
+            raise ValueError(f"a stand-in on devices this process owns ({where}): run the program")
+        return jax.make_array_from_single_device_arrays(a.shape, where, [], dtype=a.dtype)
+
+    return jax.tree.map(leaf, abstract)
+
+
 def sqnorms_by_key(tree: dict[str, Any]) -> dict[str, jax.Array]:
     return {k: sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(v)) for k, v in tree.items()}
 
@@ -233,6 +255,10 @@ class StageProgram:
         self.param_shardings = param_shardings(self.axes, mesh)
         self.replicated = NamedSharding(mesh, P())
         self.devices = frozenset(mesh.devices.flat)
+        # Whether this process owns a device of the stage. If not (a multi-process run,
+        # the stage on other processes' devices), its programs are never compiled or
+        # called here: stand-ins (:meth:`stand_in`) take the place of their outputs.
+        self.local = owns_any(self.devices)
         self.acc_shardings = jax.tree.map(
             lambda s: NamedSharding(mesh, P(*self.acc_axes, *s.spec)),
             self.trainable_of(self.param_shardings),
@@ -281,6 +307,7 @@ class StageProgram:
                 transform_non_params=lambda _: self.replicated,
             )
         self._init_opt = jax.jit(self._opt_init, out_shardings=self.state_shardings)
+        self._first_calls = FirstCalls()  # the optimizer-state init's (multi-process)
         self.update = program(
             self._update,
             "update",
@@ -307,8 +334,21 @@ class StageProgram:
         return self.optimizer.init(trainable) if self.trainable else ()
 
     def init_opt_state(self, params: dict[str, Any]) -> Any:
-        """The optimizer state of this stage's (placed) parameters' trainable parts."""
-        return self._init_opt(self.trainable_of(params))
+        """The optimizer state of this stage's (placed) parameters' trainable parts
+        (stand-ins on a process that owns none of the stage's devices)."""
+        trained = self.trainable_of(params)
+        if not self.local:
+            return stand_in(jax.eval_shape(self._init_opt, trained), self.replicated)
+        name = program_name((self.spec.name, self.stage), "opt_init")
+        self._first_calls.ready(name, self._init_opt, trained)
+        return self._init_opt(trained)
+
+    def stand_in(self, kind: str, *args: Any) -> Any:
+        """What program ``kind`` (``fwd``, ``bwd``, ``zeros``, ...) returns for ``args``,
+        as arrays with no local shards (:func:`stand_in`; outputs whose sharding XLA
+        picks are replicated on the stage mesh): traced once per signature, never
+        compiled. For a process that owns none of the stage's devices."""
+        return stand_in(getattr(self, kind).eval_shape(*args), self.replicated)
 
     def abstract_state(self) -> tuple[Any, Any]:
         """This stage's parameters and optimizer state as ``ShapeDtypeStruct`` s carrying

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hetjax.distributed.rendezvous import FirstCalls
 from hetjax.runtime.lowering import StageKey
 from hetjax.runtime.programs import StageProgram, put_global
 from hetjax.runtime.state import TrainState
@@ -154,9 +155,21 @@ def finish_step_multiprocess(
     normalizer: jax.Array,
     *,
     sink_last: StageKey,
+    first_calls: FirstCalls,
 ) -> tuple[TrainState, StepMetrics]:
-    """As :func:`finish_step`, with scalars summed on the host across processes."""
+    """As :func:`finish_step`, with scalars summed on the host across processes.
+
+    A stage on other processes' devices only (``StageProgram.local`` False) is neither
+    reduced nor updated here: its state stays the stand-ins it is, and its norms count
+    zero, under the names its owners report (every process sums the same names).
+
+    ``first_calls``: the executor's; every process meets all others before its first
+    host all-gather of each size (it compiles a small collective program inside, and
+    before it the processes compiled different reduce/update programs: see
+    :mod:`hetjax.distributed.rendezvous`)."""
     from jax.experimental import multihost_utils
+
+    everyone = tuple(range(jax.process_count()))
 
     def owned(key: StageKey) -> bool:  # this process reports the stage's scalars
         return programs[key].mesh.devices.flat[0].process_index == jax.process_index()
@@ -164,6 +177,7 @@ def finish_step_multiprocess(
     def allsum(local: dict[str, float]) -> dict[str, float]:
         names = sorted(local)
         mine = np.asarray([local[n] for n in names], np.float64)
+        first_calls.once("finish allgather", everyone, key=mine.shape)
         return dict(zip(names, multihost_utils.process_allgather(mine).sum(0), strict=True))
 
     def local_sums(per_stage: dict[StageKey, dict[str, jax.Array]]) -> dict[str, float]:
@@ -173,12 +187,21 @@ def finish_step_multiprocess(
                 out[name] += float(v.addressable_data(0)) if owned(key) else 0.0
         return out
 
-    reduced = {k: p.reduce(acc[k]) for k, p in programs.items()}
+    def names_only(names) -> dict[str, None]:  # a remote stage's norms, never read
+        return dict.fromkeys(names)
+
+    reduced = {
+        k: p.reduce(acc[k]) if p.local else (None, names_only(p.acc_shardings))
+        for k, p in programs.items()
+    }
     sq = allsum(local_sums({k: r[1] for k, r in reduced.items()}))
     global_norm = float(np.sqrt(sum(sq.values())))
     params, opt_state = dict(state.params), dict(state.opt_state)
     param_norms = {}
     for k, p in programs.items():
+        if not p.local:
+            param_norms[k] = names_only(p.param_shardings)
+            continue
         params[k], opt_state[k], param_norms[k] = p.update(
             params[k],
             opt_state[k],

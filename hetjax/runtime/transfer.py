@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Literal
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -31,8 +31,10 @@ from hetjax.boundary import (
     MultiProcessTransport,
     naive_device_put_bytes,
 )
+from hetjax.distributed.rendezvous import FirstCalls
 from hetjax.meshes import BATCH_AXES, ModuleMesh, batch_sharding, sequence_axes
 from hetjax.ops.token_routing import Routed, exchange_routed, gather_routes, scatter_routes
+from hetjax.runtime.programs import owns_any, stand_in
 
 Direction = Literal["forward", "backward"]
 
@@ -128,6 +130,8 @@ class LinkTransfer:
         # The homogeneous baseline puts the encoder on the LLM's first stage with the same
         # layout: the activation is already where it must be, nothing to move.
         self.identity = source.sharding == destination.sharding
+        self.name = f"route {source.where()} -> {destination.where()}"
+        self._first_calls = FirstCalls()  # the routing programs' (multi-process)
         self.transport = MultiProcessTransport() if multiprocess else None
         self.boundary = None if self.identity else self._boundary(source, destination)
         self.routed_boundary = None
@@ -155,6 +159,17 @@ class LinkTransfer:
                 exchange_transpose, static_argnums=(3,), out_shardings=by_position.sharding
             )
 
+    def _owned(self, kind: str, fn: Any, x: jax.Array, *args: Any) -> jax.Array:
+        """``fn(x, *args)`` (a jitted routing step with pinned output sharding, on the
+        devices of ``x``), or where this process owns none of those devices, a stand-in
+        of its output: nothing compiles or runs for another process's stage. A first
+        call that spans processes meets them first (:class:`FirstCalls`)."""
+        if owns_any(x.sharding.device_set):
+            self._first_calls.ready(f"{self.name} {kind}", fn, x, *args)
+            return fn(x, *args)
+        out = fn.eval_shape(x, *args)  # the jitted function's: its static arguments stay
+        return stand_in(out, out.sharding)
+
     def _boundary(self, source: Endpoint, destination: Endpoint) -> Boundary:
         edge = EdgeSpec(source, destination)
         return Boundary(edge, self.transport) if self.transport else Boundary(edge)
@@ -164,17 +179,20 @@ class LinkTransfer:
             return x if self.boundary is None else self.boundary.forward(x)
         if route.send is not None:
             split = self.routed_boundary.forward(x)
-            return Routed(self._exchange(split, route.send, route.recv))
-        return Routed(self.routed_boundary.forward(self._gather(x, route.index)))
+            return Routed(self._owned("exchange", self._exchange, split, route.send, route.recv))
+        return Routed(
+            self.routed_boundary.forward(self._owned("gather", self._gather, x, route.index))
+        )
 
     def backward(self, ct: jax.Array | Routed, route: Route | None = None) -> jax.Array:
         if not isinstance(ct, Routed):
             return ct if self.boundary is None else self.boundary.backward(ct)
         if route.send is not None:
-            split = self._exchange_t(ct.tokens, route.send, route.recv, route.num_tokens)
-            return self.routed_boundary.backward(split)
+            args = (ct.tokens, route.send, route.recv, route.num_tokens)
+            t = self._owned("exchange_t", self._exchange_t, *args)
+            return self.routed_boundary.backward(t)
         ct = self.routed_boundary.backward(ct.tokens)
-        return self._scatter(ct, route.index, route.num_tokens)
+        return self._owned("scatter", self._scatter, ct, route.index, route.num_tokens)
 
     def collective(self, x: jax.Array | Routed, route: Route | None, direction: Direction) -> bool:
         """Whether moving ``x`` runs a collective program: token routing, a reshard among

@@ -7,7 +7,8 @@ different pipeline stages of the LLM. Only process 0 prints and writes the metri
 A process killed mid-training takes the others down within the bound, naming it; a
 launch whose processes disagree on their settings is refused on every process.
 
-Compilation dominates (every process compiles every stage's programs), so a module
+Compilation dominates (each process compiles the stages with a device of its own;
+``test_own_compiles`` counts them), so a module
 fixture starts all training runs at once, letting one run's compilation overlap another's
 host syncs, and the tests read their results; the fault tests run on their own, where
 their time bound means something. Every subprocess has a timeout, and the launcher's
