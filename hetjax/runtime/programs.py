@@ -145,7 +145,13 @@ def cp_local(spec: ModuleSpec, mesh: Mesh, *, is_sink: bool, moe: bool) -> bool:
     "Check failed: partition_group_list.num_replica_groups() * ..."). With
     ``JAX_USE_SHARDY_PARTITIONER=false`` a dp=2,cp=2,tp=2 LLM compiles and matches the
     reference, but the homogeneous layout (the encoder inheriting cp and tp) fails to
-    lower there; so tp > 1 stays out until the partitioner handles it."""
+    lower there (a ``sort`` with no ``is_stable`` in the backward of the unrouted token
+    merge). Nor does switching only these programs to GSPMD pay: it leaves the replica
+    vmap's dp axis unpartitioned inside the cp-manual region (every device computes both
+    dp replicas' attention blocks; the LLM backward's matmul FLOPs came out 1.7x the cost
+    model's in ``tests/plan/test_validation.py``'s ``colocated_cp``), which costs more
+    than the per-microbatch all-reduce it saves. So tp > 1 stays out until the
+    partitioner handles it."""
     return (
         mesh.shape[CP_AXIS] > 1
         and is_sink
