@@ -140,17 +140,33 @@ class FirstCalls:
     def __init__(self) -> None:
         self._seen: set = set()
 
-    def ready(self, name: str, fn: Callable, *args: Any, key: Hashable = None) -> None:
+    def ready(
+        self,
+        name: str,
+        fn: Callable,
+        *args: Any,
+        key: Hashable = None,
+        on_compiled: Callable[[jax.stages.Compiled], None] | None = None,
+    ) -> None:
         """Before ``fn(*args)`` (``fn`` jitted, named ``name`` in errors): in a
         multi-process run, on the first call per ``key`` and signature, compiles it and
-        meets the processes of its devices if it runs collectives. Then call ``fn``."""
-        if jax.process_count() == 1:
+        meets the processes of its devices if it runs collectives. Then call ``fn``.
+
+        ``on_compiled`` (e.g. a compile observer) gets that ``Compiled`` first, also in
+        one process: then first calls compile ahead in one process too, and only the
+        meeting is left out."""
+        multiprocess = jax.process_count() > 1
+        if not multiprocess and on_compiled is None:
             return
         seen = (name, key, signature(args))
         if seen in self._seen:
             return
         self._seen.add(seen)
-        meet_compiled(name, fn.lower(*args).compile())
+        compiled = fn.lower(*args).compile()
+        if on_compiled is not None:
+            on_compiled(compiled)
+        if multiprocess:
+            meet_compiled(name, compiled)
 
     def once(self, name: str, processes: Sequence[int], *, key: Hashable = None) -> None:
         """Meets ``processes`` the first time per ``name`` and ``key``: before a call that

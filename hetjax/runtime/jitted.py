@@ -23,7 +23,7 @@ from typing import Any
 
 import jax
 
-from hetjax.distributed.rendezvous import has_collectives, meet_compiled, signature
+from hetjax.distributed.rendezvous import FirstCalls, has_collectives, signature
 from hetjax.runtime.observers import Observers
 
 
@@ -65,21 +65,18 @@ class Program:
         # no peer waits at a first collective while another still compiles). One process
         # never meets; its calls pay only the check below, as with no compile observer.
         self._multiprocess = jax.process_count() > 1
-        self._seen: set = set()
+        self._first_calls = FirstCalls()
         self._collectives: dict[Any, bool] = {}
         self._abstract: dict = {}  # signature -> jax.eval_shape of the call
 
     def __call__(self, *args: Any) -> Any:
         if self._multiprocess or self._observers.compile:
-            key = signature(args)
-            if key not in self._seen:
-                self._seen.add(key)
-                compiled = self.lower(*args).compile()
-                if self._observers.compile:
-                    self._observers.on_compile(self.stage, self.kind, compiled)
-                if self._multiprocess:
-                    meet_compiled(self.name, compiled)
+            report = self._report if self._observers.compile else None
+            self._first_calls.ready(self.name, self.jitted, *args, on_compiled=report)
         return self.jitted(*args)
+
+    def _report(self, compiled: jax.stages.Compiled) -> None:
+        self._observers.on_compile(self.stage, self.kind, compiled)
 
     def collectives(self, *args: Any) -> bool:
         """Whether the executable a call with ``args`` runs has cross-device collectives.

@@ -31,7 +31,7 @@ from hetjax.boundary import (
     MultiProcessTransport,
     naive_device_put_bytes,
 )
-from hetjax.distributed.rendezvous import FirstCalls
+from hetjax.distributed.rendezvous import FirstCalls, signature
 from hetjax.meshes import BATCH_AXES, ModuleMesh, batch_sharding, sequence_axes
 from hetjax.ops.token_routing import Routed, exchange_routed, gather_routes, scatter_routes
 from hetjax.runtime.programs import owns_any, stand_in
@@ -132,6 +132,7 @@ class LinkTransfer:
         self.identity = source.sharding == destination.sharding
         self.name = f"route {source.where()} -> {destination.where()}"
         self._first_calls = FirstCalls()  # the routing programs' (multi-process)
+        self._abstract: dict = {}  # (kind, signature) -> a remote routing step's outputs
         self.transport = MultiProcessTransport() if multiprocess else None
         self.boundary = None if self.identity else self._boundary(source, destination)
         self.routed_boundary = None
@@ -167,7 +168,12 @@ class LinkTransfer:
         if owns_any(x.sharding.device_set):
             self._first_calls.ready(f"{self.name} {kind}", fn, x, *args)
             return fn(x, *args)
-        out = fn.eval_shape(x, *args)  # the jitted function's: its static arguments stay
+        # Traced once per signature, as Program.eval_shape; the jitted function's own
+        # eval_shape, so its static arguments stay static.
+        key = (kind, signature((x, *args)))
+        out = self._abstract.get(key)
+        if out is None:
+            out = self._abstract[key] = fn.eval_shape(x, *args)
         return stand_in(out, out.sharding)
 
     def _boundary(self, source: Endpoint, destination: Endpoint) -> Boundary:

@@ -18,7 +18,6 @@ from jax.sharding import PartitionSpec as P
 
 from hetjax.distributed import rendezvous
 from hetjax.inspect import CompileCounter
-from hetjax.runtime import jitted
 from hetjax.runtime.jitted import Program
 from hetjax.runtime.observers import Observers
 
@@ -144,11 +143,12 @@ def test_a_stage_program_meets_on_its_first_call_per_signature_in_multiple_proce
     monkeypatch,
 ):
     met = []
-    monkeypatch.setattr(jitted, "meet_compiled", lambda name, c: met.append(name))
+    monkeypatch.setattr(rendezvous, "meet_compiled", lambda name, c: met.append(name))
     prog = Program(lambda a: a.sum(), stage=("llm", 1), kind="bwd", observers=Observers())
     x = jax.device_put(jnp.ones(8), sharded())
     prog(x)
     assert met == []  # one process: never
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
     prog._multiprocess = True  # what a multi-process run sets at construction
     other = jax.device_put(jnp.ones(16), sharded())
     with CompileCounter() as compiles:
