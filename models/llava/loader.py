@@ -165,17 +165,18 @@ class LlavaData:
             self._perms[key] = np.random.default_rng([self.config.seed, s, k // n]).permutation(n)
         return s, int(self._perms[key][k % n])
 
-    def load(self, s: int, j: int, *, decode: bool = True) -> Sample:
+    def load(self, s: int, j: int, *, decode: bool = True, slots: int | None = None) -> Sample:
         """Record ``j`` of file ``s`` as ids, supervision and images; raises BadSample.
 
         ``decode=False``: the images' headers are read (a file that is no image is a bad
-        record either way) and their pixels left :class:`Pending`."""
+        record either way) and their pixels left :class:`Pending`. ``slots``: the image
+        slots a row has (the config's ``images_per_row`` unless given): a record with
+        more images is refused."""
         c = self.config
+        slots = c.images_per_row if slots is None else slots
         record, paths, where = self.files[s].read(j)
-        if len(paths) > c.images_per_row:
-            raise BadSample(
-                "too_many_images", where, f"{len(paths)} images, rows hold {c.images_per_row}"
-            )
+        if len(paths) > slots:
+            raise BadSample("too_many_images", where, f"{len(paths)} images, rows hold {slots}")
         ids, sup = render(
             record["conversations"],
             self.tokenizer,

@@ -16,7 +16,6 @@ work each rank's rows carry; it pays where kernels skip padding and masked image
 
 from __future__ import annotations
 
-import types
 from collections.abc import Iterable
 
 import numpy as np
@@ -36,27 +35,35 @@ class Packer:
         return not self.pack and len(self.rows) == self.num_rows
 
     def add(self, sample) -> bool:
-        n, k = len(sample.ids), len(sample.images)
+        row = self.place(len(sample.ids), len(sample.images))
+        if row is None:
+            return False
+        self.rows[row].append(sample)
+        return True
+
+    def place(self, tokens: int, images: int) -> int | None:
+        """The row a sample of ``tokens`` and ``images`` goes to, its load counted there
+        (a new row if none takes it), or ``None`` when no row can (nothing changes).
+        :meth:`add` without storing the sample: what measuring a packing needs."""
         target = None
         if self.pack:
             target = next(
                 (
                     r
                     for r, (t, i) in enumerate(self.used)
-                    if t + n <= self.capacity and i + k <= self.slots
+                    if t + tokens <= self.capacity and i + images <= self.slots
                 ),
                 None,
             )
         if target is None:
             if len(self.rows) == self.num_rows:
-                return False
+                return None
             self.rows.append([])
             self.used.append([0, 0])
             target = len(self.rows) - 1
-        self.rows[target].append(sample)
-        self.used[target][0] += n
-        self.used[target][1] += k
-        return True
+        self.used[target][0] += tokens
+        self.used[target][1] += images
+        return target
 
     def arrays(
         self, *, pad_id: int, shape: tuple[int, ...] | None
@@ -110,11 +117,10 @@ def packed_images(samples: Iterable[tuple[int, int]], num_rows: int, capacity: i
     done: list[int] = []
     packer = Packer(num_rows, capacity, capacity, pack=True)
     for n, k in samples:
-        shape = types.SimpleNamespace(ids=range(n), images=range(k))
-        if not packer.add(shape):
+        if packer.place(n, k) is None:
             done += [i for _, i in packer.used]
             packer = Packer(num_rows, capacity, capacity, pack=True)
-            packer.add(shape)
+            packer.place(n, k)
     return done or [i for _, i in packer.used]
 
 

@@ -112,23 +112,19 @@ def packed_slots(data: LlavaData, records: int = PACKED_RECORDS) -> tuple[int, s
     """
     c = data.config
     bound = max(1, (c.seq_len + 1) // c.image_tokens)
-    data.config = dataclasses.replace(c, images_per_row=max(bound, data.max_images))
     counts = [0] * len(data.files)
     n = min(records, sum(len(f) for f in data.files))
     drawn = [data.draw(counts) for _ in range(n)]
 
     def shape(s: int, j: int) -> tuple[int, int] | None:
-        try:
-            sample = data.load(s, j, decode=False)
+        try:  # no record is refused for its images here: the slots are what is measured
+            sample = data.load(s, j, decode=False, slots=max(bound, data.max_images))
         except BadSample:  # skipped or stopped at by the loader, as it says
             return None
         return len(sample.ids), len(sample.images)
 
-    try:
-        with concurrent.futures.ThreadPoolExecutor(max(1, c.workers)) as pool:
-            samples = [x for x in pool.map(shape, *zip(*drawn, strict=True)) if x is not None]
-    finally:
-        data.config = c
+    with concurrent.futures.ThreadPoolExecutor(max(1, c.workers)) as pool:
+        samples = [x for x in pool.map(shape, *zip(*drawn, strict=True)) if x is not None]
     if not samples:  # every record drawn is one the loader skips: nothing to measure
         return max(1, min(bound, data.max_images)), (
             f"the most images one record has: none of the first {n} records loads to "
