@@ -11,10 +11,16 @@ reports ``{"error": ...}`` and the others still run.
 
 - ``llm_stage``: MFU of the LLM's stage program (forward + backward) at a real width: a
   4-layer LLM of ``llm-14b``'s width (5120, 40 heads, 8 kv heads, MLP 17920, vocabulary
-  128256, embedding and head included) at sequence 8192, batch 1, bfloat16 compute
+  128256, embedding and head included) at sequence 4096, batch 1, bfloat16 compute
   (parameters float32), one device, one microbatch. Per activation policy
   (``--recompute``): ``full`` (the backward replays the forward) and ``none`` (the
-  forward keeps the ``jax.vjp`` residuals). Timed with the executor's
+  forward keeps the ``jax.vjp`` residuals). The LLM is the loss stage, whose forward
+  runs inside its backward program (op ``B`` alone), so both policies run the same
+  program there; the ViT row shows what ``none`` saves. Why 4096, not 8192: at ``cp=1``
+  attention is :func:`hetjax.ops.ring_kernels.causal_attention`, which materialises the
+  float32 ``[heads, L, L]`` scores (40 x 8192^2 x 4 B = 10.7 GB per layer, several
+  arrays of it kept per layer), and at 8192 the stage asked XLA:GPU for 113 GiB on an
+  H200 (``--seq-len 8192`` still tries). Timed with the executor's
   ``profile=True`` step (each program waited for); ``mfu`` counts model FLOPs (the 3x
   rule, :func:`hetjax.runtime.flops.model_flops`), ``hfu`` the matmul FLOPs the compiled
   programs execute (recompute included; :func:`hetjax.inspect.hlo.matmul_flops`).
@@ -79,7 +85,7 @@ class Sizes:
     shared: bool = False
 
 
-FULL = Sizes("llm-14b", 4, 8192, 1, "clip-l-336", 16, 5)
+FULL = Sizes("llm-14b", 4, 4096, 1, "clip-l-336", 16, 5)  # why 4096: see the docstring
 # The smallest shapes the checks allow (seq 48: the synthetic samples' longest is 48
 # inputs): compiling, not running, is the smoke run's cost.
 SMOKE = Sizes("tiny", 1, 48, 1, "tiny", 1, 1, vit_layers=1, shared=True)
@@ -91,7 +97,7 @@ class CheckConfig:
     smoke: bool = False  # tiny sizes on CPU devices (for the test)
     peak_tflops: float | None = None  # dense BF16 TFLOP/s per device; None: from the table
     gpu_flags: bool = True  # apply hetjax.gpu_flags() (not in --smoke)
-    seq_len: int | None = None  # the LLM's sequence length; None: 8192 (smoke: 64)
+    seq_len: int | None = None  # the LLM's sequence length; None: 4096 (smoke: 48)
 
 
 # -- models ---------------------------------------------------------------------------------
@@ -432,15 +438,17 @@ def main(config: CheckConfig, devices: list | None = None) -> dict:
             lambda: {"attention": attention_section(llm, devices, sizes.attention_reps)},
         )
     )
+    from experiments.cli import write_json
+
     for names, run in sections:
         got = guarded(run)
         for name in names:
             report[name] = got.get(name, got)  # or the error
         print(f"  {', '.join(names)} done ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
+        # Written after every section, so a run killed at a time limit keeps what it did.
+        write_json(config.json, report)
     report["total_s"] = time.perf_counter() - t0
     print_table(report)
-    from experiments.cli import write_json
-
     write_json(config.json, report)
     return report
 
@@ -456,7 +464,7 @@ def parse_args(argv: list[str]) -> CheckConfig:
     )
     p.add_argument("--no-gpu-flags", dest="gpu_flags", action="store_false")
     p.add_argument(
-        "--seq-len", type=positive_int, default=None, help="LLM sequence (e.g. 4096 if 8192 OOMs)"
+        "--seq-len", type=positive_int, default=None, help="LLM sequence (default 4096)"
     )
     return CheckConfig(**vars(p.parse_args(argv)))
 

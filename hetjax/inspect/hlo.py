@@ -286,15 +286,28 @@ def dp_all_reduce_shapes(
     return shapes
 
 
-_DEF = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*[a-z][a-z0-9]*\[([0-9,]*)\]")
-_DOT = re.compile(r"\sdot\(%([\w.\-]+),\s*%[\w.\-]+\).*?lhs_contracting_dims=\{([0-9,]*)\}")
+# An instruction's name and (first) result array; a tuple result, such as a cuBLAS
+# gemm's ``(bf16[m,n], s8[workspace])``, gives its first element.
+_DEF = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*\(?[a-z][a-z0-9]*\[([0-9,]*)\]")
+# An operand, printed with or without its shape: ``%a`` or ``bf16[8,4]{1,0} %a``.
+_OPERAND = r"(?:[a-z][a-z0-9]*\[[0-9,]*\](?:\{[^}]*\})?\s+)?%([\w.\-]+)"
+_DOT = re.compile(rf"\sdot\({_OPERAND},.*?lhs_contracting_dims=\{{([0-9,]*)\}}")
+# XLA:GPU rewrites most dots into cuBLAS(Lt) calls; the contraction is in the call's
+# backend config (``"lhs_contracting_dimensions":["1"]``).
+_GEMM = re.compile(
+    rf'\scustom-call\({_OPERAND},.*?custom_call_target="__cublas\$(?:lt\$)?(?:gemm|matmul)'
+    r'[^"]*".*?"lhs_contracting_dimensions":\[([0-9",]*)\]'
+)
 
 
 def matmul_flops(hlo_text: str) -> float:
-    """FLOPs of every ``dot`` of one run of a compiled program, per device: ``2 x output
+    """FLOPs of every matmul of one run of a compiled program, per device: ``2 x output
     elements x contracted size``, times the runs of its computation (a while body counts
     its known trip count, which XLA's ``cost_analysis()`` counts once: a scan over layers
-    would be undercounted by the layer count). Elementwise work is left out."""
+    would be undercounted by the layer count). Elementwise work is left out.
+
+    Matmuls are ``dot`` instructions (XLA:CPU, and those inside XLA:GPU's Triton gemm
+    fusions) and XLA:GPU's cuBLAS / cuBLASLt gemm custom calls."""
     comps, entry = _computations(hlo_text)
     runs = _executions(comps, entry)
     total = 0.0
@@ -303,9 +316,10 @@ def matmul_flops(hlo_text: str) -> float:
             continue
         shapes = {m.group(1): _ints(m.group(2)) for l in lines if (m := _DEF.match(l))}
         for line in lines:
-            if (d := _DOT.search(line)) and (out := _DEF.match(line)):
+            d = _DOT.search(line) or _GEMM.search(line)
+            if d and (out := _DEF.match(line)):
                 lhs = shapes[d.group(1)]
-                contracted = np.prod([lhs[i] for i in _ints(d.group(2))])
+                contracted = np.prod([lhs[i] for i in _ints(d.group(2).replace('"', ""))])
                 total += 2.0 * np.prod(_ints(out.group(2))) * contracted * runs[name]
     return float(total)
 
@@ -314,10 +328,20 @@ _DOT_TYPE = re.compile(r"^\s*(?:ROOT\s+)?%[\w.\-]+\s*=\s*([a-z][a-z0-9]*)\[[0-9,
 
 
 def dot_output_dtypes(hlo_text: str) -> Counter:
-    """Element type -> how many ``dot`` instructions of the program produce it (static
-    count: a dot in a loop body counts once). Tells whether matmuls of a mixed-precision
-    program write ``bf16`` or accumulate into ``f32`` outputs."""
-    return Counter(m.group(1) for line in hlo_text.splitlines() if (m := _DOT_TYPE.match(line)))
+    """Element type -> how many matmuls of the program produce it (static count: a dot in
+    a loop body counts once): ``dot`` instructions and, on XLA:GPU, cuBLAS gemm calls
+    (their first result). Tells whether matmuls of a mixed-precision program write
+    ``bf16`` or accumulate into ``f32`` outputs."""
+    out: Counter = Counter()
+    for line in hlo_text.splitlines():
+        if m := _DOT_TYPE.match(line):
+            out[m.group(1)] += 1
+        elif _GEMM.search(line) and (d := _DEF_TYPE.match(line)):
+            out[d.group(1)] += 1
+    return out
+
+
+_DEF_TYPE = re.compile(r"^\s*(?:ROOT\s+)?%[\w.\-]+\s*=\s*\(?([a-z][a-z0-9]*)\[")
 
 
 def cost_flops(compiled: Any) -> float:

@@ -187,3 +187,32 @@ def test_dot_output_dtypes():
     a = jnp.ones((4, 8), jnp.bfloat16)
     found = dot_output_dtypes(jax.jit(f).lower(a, a.T).compile().as_text())
     assert set(found) == {"f32"} and sum(found.values()) >= 1
+
+
+def test_matmul_flops_counts_the_dots_of_a_cpu_program():
+    from hetjax.inspect.hlo import matmul_flops
+    from tests.inspect.golden.make_gpu_hlo import MATMUL_FLOPS, program
+
+    fn, args = program()
+    assert matmul_flops(fn.lower(*args).compile().as_text()) == MATMUL_FLOPS
+
+
+@pytest.mark.parametrize("codegen", ["cublas", "triton"])
+def test_matmul_flops_counts_xla_gpu_matmuls(codegen):
+    """The same program compiled by XLA:GPU (committed golden files, made on an H200 by
+    ``golden/make_gpu_hlo.py``): its dots are cuBLASLt custom calls (``cublas``, Triton
+    gemms off) or dots inside Triton gemm fusions (``triton``, XLA's default), in
+    scanned while bodies; either way the count must be the hand count."""
+    from pathlib import Path
+
+    from hetjax.inspect.hlo import dot_output_dtypes, matmul_flops
+    from tests.inspect.golden.make_gpu_hlo import MATMUL_FLOPS
+
+    text = (Path(__file__).parent / "golden" / f"gpu_matmuls_{codegen}.hlo").read_text()
+    assert ("__cublas$" in text) == (codegen == "cublas")
+    assert ("__triton_nested_gemm_fusion" in text) == (codegen == "triton")
+    assert matmul_flops(text) == MATMUL_FLOPS
+    found = dot_output_dtypes(text)
+    assert sum(found.values()) == 6  # forward loop body 1, backward loop body 2, einsum 3
+    if codegen == "cublas":
+        assert set(found) == {"bf16"}
