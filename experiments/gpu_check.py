@@ -16,11 +16,12 @@ reports ``{"error": ...}`` and the others still run.
   (``--recompute``): ``full`` (the backward replays the forward) and ``none`` (the
   forward keeps the ``jax.vjp`` residuals). The LLM is the loss stage, whose forward
   runs inside its backward program (op ``B`` alone), so both policies run the same
-  program there; the ViT row shows what ``none`` saves. Why 4096, not 8192: at ``cp=1``
-  attention is :func:`hetjax.ops.ring_kernels.causal_attention`, which materialises the
-  float32 ``[heads, L, L]`` scores (40 x 8192^2 x 4 B = 10.7 GB per layer, several
-  arrays of it kept per layer), and at 8192 the stage asked XLA:GPU for 113 GiB on an
-  H200 (``--seq-len 8192`` still tries). Timed with the executor's
+  program there; the ViT row shows what ``none`` saves. Why 4096, not 8192: the first
+  H200 runs took the plain attention path at ``cp=1``, which materialises the float32
+  ``[heads, L, L]`` scores (40 x 8192^2 x 4 B = 10.7 GB per layer, several arrays of it
+  kept per layer), and at 8192 the stage asked XLA:GPU for 113 GiB. On a GPU causal
+  attention now takes cuDNN's fused kernel (:func:`hetjax.ops.causal_attention`), but
+  the 8192 stage has not run with it yet; ``--seq-len 8192`` tries. Timed with the executor's
   ``profile=True`` step (each program waited for); ``mfu`` counts model FLOPs (the 3x
   rule, :func:`hetjax.runtime.flops.model_flops`), ``hfu`` the matmul FLOPs the compiled
   programs execute (recompute included; :func:`hetjax.inspect.hlo.matmul_flops`).
@@ -36,7 +37,9 @@ reports ``{"error": ...}`` and the others still run.
   ``zero1_reduce_scatter`` / ``sp_reduce_scatter`` are false by construction.
 - ``attention``: fwd+bwd time of the ring attention's kernel vs the all-gather's at
   ``cp=1`` (one device, the block computation alone: ``ring_attention(...,
-  dense_at_cp1=False)``), at the LLM's heads and sequence.
+  dense_at_cp1=False)``), at the LLM's heads and sequence; ``fused``: cuDNN's fused
+  kernel that ``causal_attention`` takes on a GPU against its plain path (times, and
+  the relative difference of output and gradients).
 - ``inflight_guard``: whether the executor's XLA:CPU-only in-flight guard is on (it must
   be off on GPU).
 - ``device``, ``peak_tflops``: the device kind and its dense BF16 peak
@@ -98,6 +101,7 @@ class CheckConfig:
     peak_tflops: float | None = None  # dense BF16 TFLOP/s per device; None: from the table
     gpu_flags: bool = True  # apply hetjax.gpu_flags() (not in --smoke)
     seq_len: int | None = None  # the LLM's sequence length; None: 4096 (smoke: 48)
+    sections: tuple[str, ...] = ()  # run only these report keys' sections; (): all
 
 
 # -- models ---------------------------------------------------------------------------------
@@ -331,6 +335,42 @@ def attention_section(cfg: Any, devices: list, reps: int) -> dict:
                 jax.block_until_ready(step(q, *kv))
         out[f"{impl}_fwd_bwd_s"] = timer.median
     out["ring_over_allgather"] = out["ring_fwd_bwd_s"] / out["allgather_fwd_bwd_s"]
+    out["fused"] = guarded(fused_attention_rows, q, kv, pos, reps)
+    return out
+
+
+def fused_attention_rows(q: Any, kv: list, pos: Any, reps: int) -> dict:
+    """cuDNN's fused kernel against the plain path of ``causal_attention`` (fwd+bwd time,
+    and how far its output and gradients are from the plain path's, relative to the
+    largest plain value): what ``causal_attention`` picks on a GPU."""
+    import jax
+    import jax.numpy as jnp
+
+    from hetjax.inspect import Timer
+    from hetjax.ops.ring_kernels import causal_attention, fused_attention_applies
+
+    if not fused_attention_applies(q, kv[0]):
+        return {"checked": False, "why": f"not taken here ({jax.default_backend()}, {q.dtype})"}
+    ct = jax.random.normal(jax.random.key(1), q.shape, jnp.float32)
+    got, out = {}, {"checked": True}
+    for fused in (False, True):
+
+        def loss(q, k, v, fused=fused):
+            o = causal_attention(q, k, v, pos, fused=fused)
+            return jnp.sum(o.astype(jnp.float32) * ct), o
+
+        step = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))
+        got[fused] = jax.block_until_ready(step(q, *kv))
+        timer = Timer()
+        for _ in range(reps):
+            with timer:
+                jax.block_until_ready(step(q, *kv))
+        out[f"{'fused' if fused else 'plain'}_fwd_bwd_s"] = timer.median
+    out["plain_over_fused"] = out["plain_fwd_bwd_s"] / out["fused_fwd_bwd_s"]
+    (grads_p, o_p), (grads_f, o_f) = got[False], got[True]
+    for name, a, b in zip(("dq", "dk", "dv", "out"), (*grads_p, o_p), (*grads_f, o_f), strict=True):
+        a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+        out[f"{name}_rel_diff"] = float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(a)))
     return out
 
 
@@ -352,7 +392,7 @@ def print_table(report: dict) -> None:
         f"{'stage':<6} {'policy':<6} {'time s':>8} {'TFLOP/s':>8} {'MFU':>6} {'HFU':>6} recompiles"
     )
     for section in ("llm_stage", "vit_stage"):
-        sec = report[section]
+        sec = report.get(section, {"module": section, "full": "not run", "none": "not run"})
         for policy in POLICIES:
             r = sec.get(policy, {})
             if "stage_time_s" not in r:
@@ -366,7 +406,7 @@ def print_table(report: dict) -> None:
                 f"{sec['module']:<6} {policy:<6} {r['stage_time_s']:8.4f} {r['tflops_per_s']:8.2f}"
                 f" {pct(r['mfu'])} {pct(r['hfu'])} {r['recompiles_after_step_1']}"
             )
-    a = report["attention"]
+    a = report.get("attention", "not run")
     if "ring_fwd_bwd_s" in a:
         print(
             f"attention cp=1 fwd+bwd: ring {a['ring_fwd_bwd_s'] * 1e3:.2f} ms, all-gather "
@@ -375,8 +415,19 @@ def print_table(report: dict) -> None:
         )
     else:
         print(f"attention: {a}")
-    print(f"reduce-scatter: {report['reduce_scatter']}")
-    print(f"in-flight guard: {report['llm_stage'].get('full', {}).get('inflight_guard')}")
+    f = a.get("fused", {}) if isinstance(a, dict) else {}
+    if f.get("checked"):
+        print(
+            f"attention cp=1 plain vs cuDNN fused fwd+bwd: {f['plain_fwd_bwd_s'] * 1e3:.2f} ms vs"
+            f" {f['fused_fwd_bwd_s'] * 1e3:.2f} ms; relative difference out"
+            f" {f['out_rel_diff']:.1e}, dq {f['dq_rel_diff']:.1e}, dk {f['dk_rel_diff']:.1e},"
+            f" dv {f['dv_rel_diff']:.1e}"
+        )
+    else:
+        print(f"attention fused: {f}")
+    print(f"reduce-scatter: {report.get('reduce_scatter', 'not run')}")
+    guard = report.get("llm_stage", {}).get("full", {})
+    print(f"in-flight guard: {guard.get('inflight_guard') if isinstance(guard, dict) else None}")
 
 
 def main(config: CheckConfig, devices: list | None = None) -> dict:
@@ -440,6 +491,14 @@ def main(config: CheckConfig, devices: list | None = None) -> dict:
     )
     from experiments.cli import write_json
 
+    if config.sections:
+        unknown = set(config.sections) - {n for names, _ in sections for n in names}
+        if unknown:
+            raise ConfigError(
+                f"--sections: unknown {sorted(unknown)}; choose from llm_stage, vit_stage,"
+                " reduce_scatter, attention"
+            )
+        sections = [(n, run) for n, run in sections if set(n) & set(config.sections)]
     for names, run in sections:
         got = guarded(run)
         for name in names:
@@ -463,8 +522,13 @@ def parse_args(argv: list[str]) -> CheckConfig:
         "--peak-tflops", type=positive_float, default=None, help="dense BF16 TFLOP/s per device"
     )
     p.add_argument("--no-gpu-flags", dest="gpu_flags", action="store_false")
+    p.add_argument("--seq-len", type=positive_int, default=None, help="LLM sequence (default 4096)")
     p.add_argument(
-        "--seq-len", type=positive_int, default=None, help="LLM sequence (default 4096)"
+        "--sections",
+        type=lambda v: tuple(x for x in v.split(",") if x),
+        default=(),
+        help="comma-separated report keys to run (llm_stage, vit_stage, reduce_scatter,"
+        " attention); default all",
     )
     return CheckConfig(**vars(p.parse_args(argv)))
 

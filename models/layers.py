@@ -27,6 +27,7 @@ from hetjax.ops import (
     ring_attention,
 )
 from hetjax.ops import context as parallel
+from hetjax.ops.ring_kernels import fused_attention_applies
 from models.config import MoEConfig
 
 Axes = tuple[str | None, ...]
@@ -132,9 +133,14 @@ def attention(
 ) -> jax.Array:
     """Grouped-query scaled dot-product attention; ``H`` must be a multiple of ``G``.
 
-    With ``G == H`` this is plain multi-head attention.
+    With ``G == H`` this is plain multi-head attention. Causal attention on a GPU, where
+    cuDNN's fused kernel applies, runs through :func:`hetjax.ops.causal_attention`'s
+    fused path (see there: the scores are never materialised).
     """
     b, l, h, k = q_BxLxHxK.shape
+    if causal and fused_attention_applies(q_BxLxHxK, k_BxSxGxK):
+        s_pos = jnp.arange(k_BxSxGxK.shape[1])
+        return causal_attention(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, jnp.arange(l), s_pos, fused=True)
     g = k_BxSxGxK.shape[2]
     q_BxLxGxRxK = q_BxLxHxK.reshape(b, l, g, h // g, k)
     scores = jnp.einsum("blgrk,bsgk->bgrls", q_BxLxGxRxK, k_BxSxGxK).astype(jnp.float32)

@@ -24,6 +24,9 @@ def test_bad_flags_are_one_line_errors():
         parse_args(["--bogus"])
     with pytest.raises(ConfigError, match="peak-tflops"):
         parse_args(["--peak-tflops", "-3"])
+    assert parse_args(["--sections", "llm_stage,attention"]).sections == ("llm_stage", "attention")
+    with pytest.raises(ConfigError, match=r"--sections: unknown \['bogus'\]; choose from"):
+        main(CheckConfig(smoke=True, sections=("attention", "bogus")), devices=jax.devices())
     out = subprocess.run(
         [sys.executable, "-m", "experiments.gpu_check", "--bogus"],
         cwd=ROOT,
@@ -74,4 +77,5 @@ def test_smoke_run_reports_every_section(smoke):
     att = report["attention"]
     for key in ("ring_fwd_bwd_s", "allgather_fwd_bwd_s", "ring_over_allgather"):
         assert isinstance(att[key], float) and att[key] > 0
+    assert att["fused"] == {"checked": False, "why": "not taken here (cpu, bfloat16)"}
     assert "MFU" in table and "attention cp=1" in table
