@@ -51,13 +51,10 @@ def runs(tmp_path_factory):
     # One after the other: concurrent training processes on a 2-core machine have
     # aborted in an XLA:CPU all-reduce rendezvous timeout (see the report of this suite).
     tmp = tmp_path_factory.mktemp("cli")
-    # tiny_b reuses tiny_a's executables from a persistent compilation cache (~15 s of
-    # compiling saved); its losses must still match: same data, init and dispatch.
-    cache = {
-        "JAX_COMPILATION_CACHE_DIR": str(tmp / "jax-cache"),
-        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
-    }
+    # tiny_b (and from_config) reuse tiny_a's executables from the suite's persistent
+    # compilation cache, which every run inherits (tests/conftest.py; other modules' runs
+    # of the same programs load them too); their losses must still match: same data,
+    # init and dispatch.
     results, rows = {}, {}
     # tiny_a's run again, from the file --print-config writes (with a different --steps,
     # which the command line then overrides): the same resolved config must give the
@@ -68,7 +65,7 @@ def runs(tmp_path_factory):
     runs = {**RUNS, "from_config": ["--config", str(tmp / "run.yaml"), "--steps", "3"]}
     for name, args in runs.items():
         path = tmp / f"{name}.jsonl"
-        results.update(_finish({name: _start([*args, "--metrics", str(path)], cache)}))
+        results.update(_finish({name: _start([*args, "--metrics", str(path)])}))
         text = path.read_text() if path.exists() else ""
         rows[name] = [json.loads(line) for line in text.splitlines()]
     return results, rows
