@@ -310,7 +310,6 @@ def attention_section(cfg: Any, devices: list, reps: int) -> dict:
     import numpy as np
     from jax.sharding import Mesh
 
-    from hetjax.inspect import Timer
     from hetjax.ops import ring_attention
 
     mesh = Mesh(np.array(devices[:1]).reshape(1, 1, 1, 1), ("dp", "ep", "cp", "tp"))
@@ -328,15 +327,24 @@ def attention_section(cfg: Any, devices: list, reps: int) -> dict:
             return jnp.sum(o.astype(jnp.float32))
 
         step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-        jax.block_until_ready(step(q, *kv))
-        timer = Timer()
-        for _ in range(reps):
-            with timer:
-                jax.block_until_ready(step(q, *kv))
-        out[f"{impl}_fwd_bwd_s"] = timer.median
+        out[f"{impl}_fwd_bwd_s"] = timed(step, (q, *kv), reps)[1]
     out["ring_over_allgather"] = out["ring_fwd_bwd_s"] / out["allgather_fwd_bwd_s"]
     out["fused"] = guarded(fused_attention_rows, q, kv, pos, reps)
     return out
+
+
+def timed(step: Any, args: tuple, reps: int) -> tuple[Any, float]:
+    """(the first result of ``step(*args)``, the median time of ``reps`` more calls)."""
+    import jax
+
+    from hetjax.inspect import Timer
+
+    first = jax.block_until_ready(step(*args))
+    timer = Timer()
+    for _ in range(reps):
+        with timer:
+            jax.block_until_ready(step(*args))
+    return first, timer.median
 
 
 def fused_attention_rows(q: Any, kv: list, pos: Any, reps: int) -> dict:
@@ -346,7 +354,6 @@ def fused_attention_rows(q: Any, kv: list, pos: Any, reps: int) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from hetjax.inspect import Timer
     from hetjax.ops.ring_kernels import causal_attention, fused_attention_applies
 
     if not fused_attention_applies(q, kv[0]):
@@ -360,12 +367,7 @@ def fused_attention_rows(q: Any, kv: list, pos: Any, reps: int) -> dict:
             return jnp.sum(o.astype(jnp.float32) * ct), o
 
         step = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))
-        got[fused] = jax.block_until_ready(step(q, *kv))
-        timer = Timer()
-        for _ in range(reps):
-            with timer:
-                jax.block_until_ready(step(q, *kv))
-        out[f"{'fused' if fused else 'plain'}_fwd_bwd_s"] = timer.median
+        got[fused], out[f"{'fused' if fused else 'plain'}_fwd_bwd_s"] = timed(step, (q, *kv), reps)
     out["plain_over_fused"] = out["plain_fwd_bwd_s"] / out["fused_fwd_bwd_s"]
     (grads_p, o_p), (grads_f, o_f) = got[False], got[True]
     for name, a, b in zip(("dq", "dk", "dv", "out"), (*grads_p, o_p), (*grads_f, o_f), strict=True):
