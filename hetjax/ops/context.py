@@ -64,9 +64,9 @@ class ParallelContext:
         None when sequence parallelism is off or ``tp == 1``."""
         if not self.sp:
             return None
-        batch = tuple(self.batch_axes) if self.batch_axes else None
-        seq = sequence_axes(self.mesh, tp=split)
-        return activation_sharding(self.mesh, ndim, batch_axes=batch, sequence=seq)
+        batch = auto_axes(self.batch_axes)
+        seq = auto_axes(sequence_axes(self.mesh, tp=split))
+        return on_context_mesh(activation_sharding(self.mesh, ndim, batch_axes=batch, sequence=seq))
 
     @property
     def sp(self) -> bool:
@@ -109,6 +109,28 @@ def cp_is_manual(axis: str = "cp") -> bool:
     over it (the stage programs' once-per-step CP reduction, ``hetjax.runtime.programs``).
     Ops that would ``shard_map`` over cp then call their per-rank kernels directly."""
     return axis in jax.sharding.get_abstract_mesh().manual_axes
+
+
+def auto_axes(axes: str | tuple[str, ...] | None) -> str | tuple[str, ...] | None:
+    """``axes`` less those the code being traced is manual over (a sharding constraint
+    inside a ``shard_map`` names only the axes left to the partitioner); None if none
+    are left."""
+    if axes is None:
+        return None
+    manual = jax.sharding.get_abstract_mesh().manual_axes
+    if isinstance(axes, str):
+        return None if axes in manual else axes
+    kept = tuple(a for a in axes if a not in manual)
+    return kept or None
+
+
+def on_context_mesh(sharding: NamedSharding) -> NamedSharding:
+    """``sharding`` as a constraint inside a ``shard_map`` (some axes manual) must name
+    the region's own abstract mesh; outside one, unchanged."""
+    here = jax.sharding.get_abstract_mesh()
+    if not here.manual_axes:
+        return sharding
+    return NamedSharding(here, sharding.spec)
 
 
 def current() -> ParallelContext | None:

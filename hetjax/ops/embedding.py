@@ -43,6 +43,14 @@ def vocab_parallel_lookup(
     vocab = table_VxD.shape[0]
     if vocab % tp:
         raise ValueError(f"vocabulary {vocab} is not divisible by {tp_axis}={tp}")
+    # Inside a region already manual over some axes (a stage run per cp rank, manual
+    # over dp and cp): the ids are this device's block along those, so only the other
+    # axes are named, on the region's own (abstract) mesh.
+    manual = jax.sharding.get_abstract_mesh().manual_axes
+    if manual:
+        mesh = jax.sharding.get_abstract_mesh()
+        batch_axes = [a for a in batch_axes or () if a not in manual]
+        seq_axis = None if seq_axis in manual else seq_axis
     batch = tuple(batch_axes) if batch_axes else None
     rows = vocab // tp
 
@@ -58,5 +66,6 @@ def vocab_parallel_lookup(
         mesh=mesh,
         in_specs=(PartitionSpec(tp_axis, None), PartitionSpec(batch, seq_axis)),
         out_specs=PartitionSpec(batch, seq_axis, None),
+        axis_names=frozenset(mesh.axis_names) - frozenset(manual),
     )
     return fn(table_VxD, ids_BxL)

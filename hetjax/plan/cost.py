@@ -39,7 +39,7 @@ class Workload:
     act_bytes: int = BF16  # bytes per activation element (BF16 2, FP32 4)
     full_attention: bool = False  # kernels compute the masked half too (hetjax's XLA attention)
     fused_columns: bool = True  # one TP gradient reduction per block region (Megatron)
-    # hetjax's engine: ep (and cp, but a dense tp=1 LLM's) gradient sums in every backward
+    # hetjax's engine: ep (and cp, but a dense LLM's) gradient sums in every backward
     replica_grads_per_microbatch: bool = False
 
     @property
@@ -249,6 +249,7 @@ def llm_stages(cfg: Any, plan: Plan, work: Workload, hw: HardwareProfile) -> lis
         microbatches=m,
         live=live_microbatches(plan)[1],
         vocab=cfg.llm.vocab,
+        merges_unrouted=plan.mode == "homogeneous",
         hw=hw,
         act_bytes=work.act_bytes,
         fused_columns=work.fused_columns,

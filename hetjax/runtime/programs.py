@@ -30,22 +30,27 @@ Two choices that matter for speed and equality with the reference:
   non-expert weights are summed over ``ep`` within the microbatch.)
   :meth:`StageProgram.reduce` sums that axis once per step: one DP reduction per
   parameter per step, whatever the microbatch count.
-- **And per context-parallel rank** (:func:`cp_local`: the dense LLM with tp = 1). Under
-  GSPMD a parameter replicated over cp has a replicated cotangent, so every backward
-  would all-reduce its cp ranks' partial sums (the weight-gradient matmuls contract the
-  cp-split sequence). Instead the vjp runs inside a ``shard_map`` manual over ``cp``
-  alone (the replica vmap inside it, dp/tp left to GSPMD): a rank differentiates its
-  own token block, so its parameter cotangent is its partial sum and nothing is summed;
-  the ops that ``shard_map`` over cp (ring attention, ``merge_routed``) call their
-  per-rank kernels there (``hetjax.ops.context.cp_is_manual``). The accumulator is
-  ``[R, cp, ...]`` split over dp x cp and ``reduce`` sums both axes in one collective
-  over the dp x cp group (Megatron's ``data_parallel_group_with_cp``); under ZeRO-1 the
-  reduced gradients and moments are split over dp x cp. Memory: the accumulator is cp
-  times larger globally, but each device still holds one parameter-sized slice of it,
-  as before (then it was replicated over cp) and as in Megatron, whose cp ranks each
-  keep a full ``main_grad`` buffer of their (tp/pp-sharded) parameters. Why not broadcast
-  the parameters to ``[cp, ...]`` and differentiate outside the ``shard_map``: inside,
-  the cotangents are per rank by construction and the parameters need no copy.
+- **And per context-parallel rank** (:func:`cp_local`: the dense LLM). Under GSPMD a
+  parameter replicated over cp has a replicated cotangent, so every backward would
+  all-reduce its cp ranks' partial sums (the weight-gradient matmuls contract the
+  cp-split sequence). Instead the vjp runs inside a ``shard_map`` manual over ``dp`` and
+  ``cp`` (each device runs its own replica's token block; tp, with sequence parallelism,
+  is left to the partitioner): a rank differentiates its own block, so its parameter
+  cotangent is its partial sum and nothing is summed; the ops that ``shard_map`` over cp
+  (ring attention, ``merge_routed``) call their per-rank kernels there
+  (``hetjax.ops.context.cp_is_manual``), and sharding constraints name only the axes
+  left automatic (``hetjax.ops.context.auto_axes``). The accumulator is ``[R, cp, ...]``
+  split over dp x cp and ``reduce`` sums both axes in one collective over the dp x cp
+  group (Megatron's ``data_parallel_group_with_cp``); under ZeRO-1 the reduced gradients
+  and moments are split over dp x cp. Memory: the accumulator is cp times larger
+  globally, but each device still holds one parameter-sized slice of it, as before
+  (then it was replicated over cp) and as in Megatron, whose cp ranks each keep a full
+  ``main_grad`` buffer of their (tp/pp-sharded) parameters. Why not broadcast the
+  parameters to ``[cp, ...]`` and differentiate outside the ``shard_map``: inside, the
+  cotangents are per rank by construction and the parameters need no copy. Why dp is
+  manual too: a region manual over cp alone leaves the replica vmap's dp axis and tp to
+  the partitioner, which on jax 0.10.2 aborts with tp > 1 (Shardy) or leaves dp
+  unpartitioned (GSPMD: every device computed both replicas' blocks).
 - **Frozen parts are constants.** The backward differentiates (``jax.vjp``) only with
   respect to the stage's trainable parts and to the inputs whose gradient some trainable
   parameter upstream needs; frozen parameters are closed over, so XLA emits no
@@ -72,7 +77,7 @@ from jax.sharding import PartitionSpec as P
 
 from hetjax.distributed.rendezvous import FirstCalls
 from hetjax.meshes import BATCH_AXES, activation_sharding, param_shardings, sequence_axes
-from hetjax.ops.context import cp_is_manual, parallel_context
+from hetjax.ops.context import auto_axes, on_context_mesh, parallel_context
 from hetjax.ops.token_routing import Routed
 from hetjax.runtime.graph import ModuleSpec
 from hetjax.runtime.jitted import Program, program_name
@@ -82,6 +87,11 @@ from hetjax.runtime.state import slice_stage
 
 REPLICA_AXIS = "dp"  # gradients are kept per replica of this axis until the step ends
 CP_AXIS = "cp"  # and, where the stage runs per cp rank (StageProgram.cp_local), of this one
+# The axes a per-cp-rank stage (StageProgram.cp_local) is manual over: cp, and dp with
+# it (each device runs its one replica), so that only tp is left to the partitioner.
+MANUAL_AXES_ORDER = (REPLICA_AXIS, CP_AXIS)
+MANUAL_AXES = frozenset(MANUAL_AXES_ORDER)
+PER_RANK = P(REPLICA_AXIS, CP_AXIS)  # [B or R, L or cp, ...] split over both
 # Checkpoint policy of `selective`: saves dot_generals without batch dimensions (x @ W,
 # the weight matmuls) and recomputes the rest. `checkpoint_dots` would also save the
 # attention scores (batched over heads: L^2 per head), which selective recompute is
@@ -132,33 +142,34 @@ def zero1_sharding(
     return sharding
 
 
-def cp_local(spec: ModuleSpec, mesh: Mesh, *, is_sink: bool, moe: bool) -> bool:
+def cp_local(
+    spec: ModuleSpec, mesh: Mesh, *, is_sink: bool, moe: bool, merges_unrouted: bool = False
+) -> bool:
     """Whether a stage's programs run per cp rank (gradients reduced over cp once per
     step, in ``reduce``). Yes for a context-parallel loss module (the LLM) whose data
-    arrives split over cp. Not (their cp gradients are still all-reduced by GSPMD in
-    every backward) for: an encoder with cp > 1 (it gets whole inputs and splits its
-    tokens itself); expert parallelism (its token dispatch ``shard_map`` s over cp
+    arrives split over cp, with any tp. Not (their cp gradients are still all-reduced by
+    GSPMD in every backward) for: an encoder with cp > 1 (it gets whole inputs and splits
+    its tokens itself); expert parallelism (its token dispatch ``shard_map`` s over cp
     itself); MoE layers even at ep = 1 (capacity and balancing statistics are taken over
-    all of a replica's tokens, not one rank's); tensor parallelism, hence sequence
-    parallelism too: XLA's SPMD partitioner (jax 0.10.2, CPU) aborts on these programs
-    with tp > 1 left to GSPMD inside the cp-manual region (``spmd_partitioner_util.cc``:
-    "Check failed: partition_group_list.num_replica_groups() * ..."). With
-    ``JAX_USE_SHARDY_PARTITIONER=false`` a dp=2,cp=2,tp=2 LLM compiles and matches the
-    reference, but the homogeneous layout (the encoder inheriting cp and tp) fails to
-    lower there (a ``sort`` with no ``is_stable`` in the backward of the unrouted token
-    merge). Nor does switching only these programs to GSPMD pay: it leaves the replica
-    vmap's dp axis unpartitioned inside the cp-manual region (every device computes both
-    dp replicas' attention blocks; the LLM backward's matmul FLOPs came out 1.7x the cost
-    model's in ``tests/plan/test_validation.py``'s ``colocated_cp``), which costs more
-    than the per-microbatch all-reduce it saves. So tp > 1 stays out until the
-    partitioner handles it."""
+    all of a replica's tokens, not one rank's); a first stage that ``merges_unrouted``
+    modality tokens (the homogeneous baseline, whose encoders sit on the LLM's devices
+    and hand over their tokens whole over cp): the merge numbers placeholders over the
+    whole sequence, and the tokens' cotangent is a sum over the cp ranks.
+
+    History: this was tp = 1 only while the region was manual over cp alone; with tp > 1
+    left to the partitioner inside it, jax 0.10.2's Shardy aborted
+    (``spmd_partitioner_util.cc``: "Check failed: partition_group_list.num_replica_groups()
+    * ...") and GSPMD left the replica vmap's dp axis unpartitioned (every device computed
+    both dp replicas' attention blocks; 1.7x the cost model's backward FLOPs in
+    ``tests/plan/test_validation.py``'s ``colocated_cp``). Manual over dp as well, only
+    tp is left, and both compile as they should."""
     return (
         mesh.shape[CP_AXIS] > 1
         and is_sink
         and bool(spec.seq_inputs)
         and mesh.shape["ep"] == 1
-        and mesh.shape["tp"] == 1
         and not moe
+        and not merges_unrouted
     )
 
 
@@ -230,6 +241,7 @@ class StageProgram:
         backward: bool = True,
         input_grad: bool | frozenset[str] = True,
         stash_frozen_output: bool = False,
+        merges_unrouted: bool = False,
     ):
         self.spec, self.stage, self.mesh = spec, stage, mesh
         self.options = options
@@ -255,7 +267,9 @@ class StageProgram:
         moe = any(
             "router" in jax.tree_util.keystr(k) for k, _ in jax.tree.leaves_with_path(self.axes)
         )
-        self.cp_local = cp_local(spec, mesh, is_sink=is_sink, moe=moe)
+        self.cp_local = cp_local(
+            spec, mesh, is_sink=is_sink, moe=moe, merges_unrouted=merges_unrouted
+        )
         # Accumulator axes before the parameter's own: [R] or, per cp rank, [R, cp].
         self.acc_axes = (REPLICA_AXIS, CP_AXIS) if self.cp_local else (REPLICA_AXIS,)
         self.param_shardings = param_shardings(self.axes, mesh)
@@ -468,10 +482,14 @@ class StageProgram:
         all-reduce into a reduce-scatter and gathers the sequence before the next
         column-parallel matmul."""
         sp = self.options.sequence_parallel and self.mesh.shape["tp"] > 1
-        seq = sequence_axes(self.mesh, tp=sp)
-        if seq is None or cp_is_manual():  # per cp rank (cp_local): the block is local
+        # Per cp rank (cp_local, manual over dp and cp) the block is this rank's: only
+        # sequence parallelism's tp split is left to name.
+        seq = auto_axes(sequence_axes(self.mesh, tp=sp))
+        if seq is None:
             return None
-        return activation_sharding(self.mesh, h.ndim, batch_axes=batch_axes, sequence=seq)
+        return on_context_mesh(
+            activation_sharding(self.mesh, h.ndim, batch_axes=auto_axes(batch_axes), sequence=seq)
+        )
 
     @property
     def batch_keys(self) -> tuple[str, ...]:
@@ -504,13 +522,11 @@ class StageProgram:
                 self._residual_meta = (tree, slots)  # static: read right after the vmap
                 return y, kept
 
-            y, kept = jax.vmap(per_replica, spmd_axis_name=REPLICA_AXIS)(
-                *self._per_replica((start, batch))
-            )
+            y, kept = self._vmap_replicas(per_replica)(*self._per_replica((start, batch)))
             return self._merge_replicas(y), self._per_rank(kept)
 
         data = (start, batch)
-        y, kept = self._cp_map(replicas, data, (P(None, CP_AXIS), P(None, CP_AXIS)))(
+        y, kept = self._cp_map(replicas, data, (PER_RANK, PER_RANK))(
             self.trainable_of(params), self._frozen_of(params), *data
         )
         return y, Residuals(kept, *self._residual_meta)
@@ -528,15 +544,13 @@ class StageProgram:
                 loss = y if self.is_sink and self.last else jnp.zeros((), jnp.float32)
                 return gp, gx, loss
 
-            gp, gx, loss = jax.vmap(per_replica, spmd_axis_name=REPLICA_AXIS)(
-                *self._per_replica((x, batch, g_out))
-            )
+            gp, gx, loss = self._vmap_replicas(per_replica)(*self._per_replica((x, batch, g_out)))
             return self._per_rank(gp), self._merge_replicas(gx), self._per_rank(jnp.sum(loss))
 
         data = (x, batch, g_out)
         x_diff = self._split_input(x)[0]
         gp, gx, loss = self._cp_map(
-            replicas, data, (P(None, CP_AXIS), self._seq_specs(x_diff), P(CP_AXIS))
+            replicas, data, (PER_RANK, self._seq_specs(x_diff), P(MANUAL_AXES_ORDER))
         )(self.trainable_of(params), self._frozen_of(params), *data)
         return jax.tree.map(jnp.add, acc, gp), gx, jnp.sum(loss)
 
@@ -559,11 +573,11 @@ class StageProgram:
 
             kept = self._of_rank(kept)
             (g_out,) = self._per_replica((g_out,))
-            gp, gx = jax.vmap(per_replica, spmd_axis_name=REPLICA_AXIS)(kept, g_out)
+            gp, gx = self._vmap_replicas(per_replica)(kept, g_out)
             return self._per_rank(gp), self._merge_replicas(gx)
 
         data = (res.leaves, g_out)
-        gp, gx = self._cp_map(replicas, data, (P(None, CP_AXIS), P(None, CP_AXIS)))(
+        gp, gx = self._cp_map(replicas, data, (PER_RANK, PER_RANK))(
             self.trainable_of(params), self._frozen_of(params), *data
         )
         zero = jnp.zeros((), jnp.float32)
@@ -592,9 +606,10 @@ class StageProgram:
 
     def _cp_map(self, fn, data: tuple, out_specs: tuple):
         """``fn(trained, frozen, *data)`` as it is, or (:attr:`cp_local`) per cp rank: in
-        a ``shard_map`` manual over cp only (dp, ep and tp stay GSPMD's, the replica
-        vmap runs inside), every leaf of ``data`` with a sequence axis split on dim 1
-        (:meth:`_seq_specs`), parameters whole on every rank. ``fn`` differentiates
+        a ``shard_map`` manual over dp and cp (tp stays the partitioner's; each device
+        runs its one replica), every leaf of ``data`` split over dp on dim 0 and, where
+        it has a sequence axis, over cp on dim 1 (:meth:`_seq_specs`), parameters whole
+        over dp and cp (still split over tp). ``fn`` differentiates
         inside, so a parameter's cotangent is this rank's partial sum: no psum over cp.
         ``check_vma=False``: nothing here is differentiated through the ``shard_map``
         itself (the ring's custom VJP passes its own cotangents around)."""
@@ -605,17 +620,18 @@ class StageProgram:
             mesh=self.mesh,
             in_specs=(P(), P(), *(self._seq_specs(d) for d in data)),
             out_specs=out_specs,
-            axis_names=frozenset({CP_AXIS}),
+            axis_names=MANUAL_AXES,
             check_vma=False,
         )
 
     def _seq_specs(self, tree: Any) -> Any:
-        """``shard_map`` specs of stage data: split over cp on dim 1 for activations,
-        their cotangents, residuals (``[R, cp, ...]``, :meth:`_per_rank`), routed tokens
-        and the batch's ``seq_inputs``; whole on every rank otherwise."""
-        split, whole = P(None, CP_AXIS), P()
+        """``shard_map`` specs of stage data, all split over dp on dim 0 (the batch, or
+        the replica axis): and over cp on dim 1 for activations, their cotangents,
+        residuals (``[R, cp, ...]``, :meth:`_per_rank`), routed tokens and the batch's
+        ``seq_inputs``; whole over cp otherwise."""
+        split, whole = PER_RANK, P(REPLICA_AXIS)
         if tree is None:
-            return whole
+            return P()
         if isinstance(tree, dict):  # a batch, or a first stage's link inputs
             return {
                 k: split if isinstance(v, Routed) or k in self.spec.seq_inputs else whole
@@ -636,9 +652,18 @@ class StageProgram:
             return tree
         return jax.tree.map(lambda a: a[:, 0], tree)
 
+    def _vmap_replicas(self, fn):
+        """``fn`` mapped over the leading replica axis: split over dp by GSPMD
+        (``spmd_axis_name``), or, inside :meth:`_cp_map` (manual over dp), this device's
+        one replica."""
+        if self.cp_local:
+            return jax.vmap(fn)
+        return jax.vmap(fn, spmd_axis_name=REPLICA_AXIS)
+
     def _per_replica(self, trees: tuple) -> tuple:
-        """Splits the batch dimension of every leaf into ``[R, batch / R, ...]``."""
-        r = self.replicas
+        """Splits the batch dimension of every leaf into ``[R, batch / R, ...]`` (inside
+        :meth:`_cp_map`, manual over dp: ``R`` is this device's one replica)."""
+        r = 1 if self.cp_local else self.replicas
         return jax.tree.map(lambda a: a.reshape(r, a.shape[0] // r, *a.shape[1:]), trees)
 
     @staticmethod
