@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections import Counter
 
 import chex
 import jax
@@ -25,7 +26,7 @@ import pytest
 
 import hetjax
 from hetjax import Layout
-from hetjax.inspect import expect_compiles
+from hetjax.inspect import Recorder, expect_compiles
 from models.config import get_preset
 from models.data import DataConfig, SyntheticLlava
 from models.mllm import MLLM
@@ -171,3 +172,27 @@ def check_matches_reference(case: Case, ref: Reference, observers: tuple = ()) -
     # The caller's parameters are intact.
     assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(ref.params))
     return ex
+
+
+def assert_cp_reduced_once_per_step(rec: Recorder, ex: hetjax.Executor, steps: int) -> None:
+    """With cp > 1 (the dense LLM, per cp rank: ``StageProgram.cp_local``) no backward
+    all-reduces parameter gradients over cp; the step's one ``reduce`` does. ``rec``
+    watched ``ex`` for ``steps`` steps."""
+    from experiments.bench_engine import cp_grad_reductions
+
+    cp_stages = [k for k, p in ex.programs.items() if p.mesh.shape["cp"] > 1]
+    assert cp_stages
+    for key in cp_stages:
+        assert ex.programs[key].cp_local, key
+        for kind, want in (("bwd", 0), ("reduce", 1)):
+            only = Counter({(key, kind): 1})
+            assert cp_grad_reductions(_Calls(only, rec.compiled), ex) == want, (key, kind)
+    assert cp_grad_reductions(rec, ex) == steps  # once per step and stage
+
+
+@dataclasses.dataclass
+class _Calls:
+    """A Recorder's view with chosen call counts (what cp_grad_reductions reads)."""
+
+    calls: Counter
+    compiled: dict

@@ -42,9 +42,15 @@ import functools
 
 import pytest
 
+from hetjax.inspect import Recorder
 from models.config import get_preset
 from tests.runtime import parity
-from tests.runtime.parity import Case, check_matches_reference, reference
+from tests.runtime.parity import (
+    Case,
+    assert_cp_reduced_once_per_step,
+    check_matches_reference,
+    reference,
+)
 
 GLOBAL_BATCH = 8  # divisible by dp x microbatches of every module in CASES
 case = functools.partial(parity.case, slow=True)  # A runs by default, the rest are slow
@@ -141,7 +147,14 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES)
 def test_matches_single_device_reference(case):
-    check_matches_reference(case, reference(case.preset, GLOBAL_BATCH))
+    ref = reference(case.preset, GLOBAL_BATCH)
+    rec = Recorder()
+    ex = check_matches_reference(case, ref, observers=(rec,))
+    llm = case.parsed["llm"]
+    if llm.cp > 1 and case.mode != "homogeneous" and get_preset(case.preset).llm.moe is None:
+        # A dense LLM with cp > 1, whatever its tp (A: dp=2,cp=2,tp=2; H: cp=2,tp=2 with
+        # sequence parallelism): its gradients are reduced over cp once per step.
+        assert_cp_reduced_once_per_step(rec, ex, len(ref.batches))
 
 
 def test_matrix_covers_the_requested_strategies():

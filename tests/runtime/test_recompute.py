@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections import Counter
 
 import pytest
 
@@ -26,7 +25,7 @@ from hetjax.inspect import Recorder
 from models.config import get_preset
 from models.mllm import MLLM
 from tests.runtime import parity
-from tests.runtime.parity import check_matches_reference
+from tests.runtime.parity import assert_cp_reduced_once_per_step, check_matches_reference
 
 STEPS = 3
 GLOBAL_BATCH = 16
@@ -78,29 +77,7 @@ def test_policy_matches_reference(case):
                     depth = ex.microbatches
             assert rec.stash_entries[(spec.name, s)] <= min(depth, ex.microbatches), (spec.name, s)
     if any(p.mesh.shape["cp"] > 1 for p in ex.programs.values()):
-        _assert_cp_reduced_once_per_step(rec, ex)
-
-
-def _assert_cp_reduced_once_per_step(rec, ex):
-    """With cp > 1 (the LLM, per cp rank: ``StageProgram.cp_local``) no backward
-    all-reduces parameter gradients over cp; the step's one ``reduce`` does."""
-    from experiments.bench_engine import cp_grad_reductions
-
-    cp_stages = [k for k, p in ex.programs.items() if p.mesh.shape["cp"] > 1]
-    for key in cp_stages:
-        assert ex.programs[key].cp_local, key
-        for kind, want in (("bwd", 0), ("reduce", 1)):
-            only = Counter({(key, kind): 1})
-            assert cp_grad_reductions(_Calls(only, rec.compiled), ex) == want, (key, kind)
-    assert cp_grad_reductions(rec, ex) == STEPS  # once per step and stage, over STEPS steps
-
-
-@dataclasses.dataclass
-class _Calls:
-    """A Recorder's view with chosen call counts (what cp_grad_reductions reads)."""
-
-    calls: Counter
-    compiled: dict
+        assert_cp_reduced_once_per_step(rec, ex, STEPS)
 
 
 def test_frozen_encoder_none():
