@@ -10,11 +10,17 @@ bfloat16`` builds) on 8 simulated CPU devices, three runs over the same data:
 - ``homo``: the same graph with ``mode="homogeneous"`` (the encoder inherits the LLM's
   layout on its first pipeline stage);
 - ``homo_seed1``: ``homo`` with seed 1 instead of 0, the yardstick of run-to-run
-  variation: by default the parameter-initialisation seed (the data are the same);
-  ``--seed-kind data``: the data seed (the same initial parameters).
+  variation. By default (``--seed-kind run``) the seed is the run's, as ``llava_train
+  --seed`` defines it (the config tree's ``seed``: "initialisation and data seed"): the
+  initial parameters and the data both change. ``--seed-kind init``: only the
+  parameter-initialisation seed (the data are the same); ``--seed-kind data``: only the
+  data seed (the same initial parameters).
 
-``--seeds N`` adds homogeneous runs with seeds 2 .. N-1 (``ma_diff_seed0_vs_seeds``, and
-``overlap_vs_mean_of_seeds`` against their mean): one seed pair is a noisy yardstick.
+``--seeds N`` trains both layouts at every seed 0 .. N-1 (``hetero_seed<s>``,
+``homo_seed<s>``; seed 0's are ``hetero`` and ``homo``): one seed pair is a noisy
+yardstick, and so is one layout pair. ``ma_diff_layout_by_seed`` is the layout's
+difference at each seed, ``ma_diff_seed_pairs`` every pair of homogeneous seeds, and
+``overlap_over_seeds`` whether the first's mean is at most the second's.
 ``--dtype float32`` runs the same comparison in float32 (how much of the layout's
 difference is bf16's and how much 200 steps of float reordering amplify).
 
@@ -72,7 +78,7 @@ class BenchConfig:
     quick: bool = False  # 2 devices, one layer, few steps (for the test)
     steps: int | None = None  # steps per run; None: 200 (QUICK_STEPS with --quick)
     dtype: str = "bfloat16"  # compute dtype: bfloat16 or float32
-    seed_kind: str = "init"  # what homo_seed1 varies: init (parameters) or data
+    seed_kind: str = "run"  # what homo_seed1 varies: run (both, llava_train's --seed), init, data
     seeds: int = 2  # homogeneous runs with seeds 0 .. seeds-1 (above 2: more seed pairs)
 
 
@@ -115,14 +121,15 @@ def grad_dtypes(ex: Any, rec: Any) -> dict[str, list[str]]:
 
 def train(mode: str, seed: int, work: dict, steps: int, rec: Any = None) -> tuple[list, list, Any]:
     """Losses, step times and the executor of one run (``seed`` goes to what
-    ``work["seed_kind"]`` names, the other seed is 0)."""
+    ``work["seed_kind"]`` names - both for ``run`` -, the other seed is 0)."""
     import jax
 
     import hetjax
 
     model, batch = work["model"], work["batch"]
-    data = work["data"][seed if work["seed_kind"] == "data" else 0]
-    seed = 0 if work["seed_kind"] == "data" else seed
+    kind = work["seed_kind"]
+    data = work["data"][seed if kind in ("run", "data") else 0]
+    seed = seed if kind in ("run", "init") else 0
     layouts = {k: hetjax.Layout.parse(v, module=k) for k, v in work["layouts"].items()}
     ex = hetjax.Executor(
         model.train_graph(layouts),
@@ -191,7 +198,12 @@ def main(config: BenchConfig, devices: list | None = None) -> list[dict]:
     }
     losses, times, dtypes = {}, {}, {}
     t0 = time.perf_counter()
-    extra = tuple((f"homo_seed{s}", "homogeneous", s) for s in range(2, config.seeds))
+    extra = tuple(
+        (f"{name}_seed{s}", mode, s)
+        for s in range(1, config.seeds)
+        for name, mode in (("hetero", "colocated"), ("homo", "homogeneous"))
+        if (name, s) != ("homo", 1)
+    )
     for name, mode, seed in RUNS + extra:
         rec = Recorder() if name == "hetero" else None
         losses[name], ts, ex = train(mode, seed, work, steps, rec)
@@ -202,9 +214,20 @@ def main(config: BenchConfig, devices: list | None = None) -> list[dict]:
     cache.cleanup()
     layout_diff = ma_diff(losses["hetero"], losses["homo"], window)
     seed_diff = ma_diff(losses["homo"], losses["homo_seed1"], window)
-    pairs = [
-        ma_diff(losses["homo"], losses[f"homo_seed{s}"], window) for s in range(1, config.seeds)
-    ]
+
+    def run(name: str, seed: int) -> list[float]:
+        return losses[name if seed == 0 else f"{name}_seed{seed}"]
+
+    seeds = range(config.seeds)
+    by_seed = [ma_diff(run("hetero", s), run("homo", s), window) for s in seeds]
+    pairs = {
+        f"{a}-{b}": ma_diff(run("homo", a), run("homo", b), window)
+        for a in seeds
+        for b in seeds
+        if a < b
+    }
+    mean_layout = statistics.mean(by_seed)
+    mean_seeds = statistics.mean(pairs.values())
     fp32 = dtypes["bwd_accumulators"] == ["float32"] and dtypes["reduce_dp_collectives"] == ["f32"]
     missed = []
     if layout_diff > seed_diff:
@@ -220,6 +243,7 @@ def main(config: BenchConfig, devices: list | None = None) -> list[dict]:
         "steps": steps,
         "layouts": layouts,
         "seed_varied": {
+            "run": "the run's seed: parameter initialisation and data (llava_train --seed)",
             "init": "parameter initialisation (data identical)",
             "data": "data (initial parameters identical)",
         }[config.seed_kind],
@@ -227,8 +251,11 @@ def main(config: BenchConfig, devices: list | None = None) -> list[dict]:
         "ma_diff_hetero_vs_homo": layout_diff,
         "ma_diff_seed0_vs_seed1": seed_diff,
         "overlap": layout_diff <= seed_diff,
-        "ma_diff_seed0_vs_seeds": pairs,  # seed 0 vs seed 1, 2, ... (--seeds)
-        "overlap_vs_mean_of_seeds": layout_diff <= sum(pairs) / len(pairs),
+        "ma_diff_layout_by_seed": by_seed,  # hetero vs homo at seed 0, 1, ... (--seeds)
+        "ma_diff_seed_pairs": pairs,  # homo seed a vs seed b, every pair
+        "mean_ma_diff_layout": mean_layout,
+        "mean_ma_diff_seed_pairs": mean_seeds,
+        "overlap_over_seeds": mean_layout <= mean_seeds,
         "final_loss": {k: v[-1] for k, v in losses.items()},
         "grad_dtypes": dtypes,
         "fp32_accumulation": fp32,
@@ -240,8 +267,12 @@ def main(config: BenchConfig, devices: list | None = None) -> list[dict]:
     print(f"{'curves':<28} {f'MA-{window} mean |diff|':>18}")
     print(f"{'hetero vs homo':<28} {layout_diff:18.5f}")
     print(f"{'homo seed 0 vs seed 1':<28} {seed_diff:18.5f}")
-    for s, d in enumerate(pairs[1:], start=2):
-        print(f"{f'homo seed 0 vs seed {s}':<28} {d:18.5f}")
+    if config.seeds > 2:
+        for s, d in enumerate(by_seed):
+            print(f"{f'hetero vs homo, seed {s}':<28} {d:18.5f}")
+        for pair, d in pairs.items():
+            print(f"{f'homo seeds {pair}':<28} {d:18.5f}")
+        print(f"{'mean, layout / seed pairs':<28} {mean_layout:8.5f} / {mean_seeds:.5f}")
     print(f"overlap (layout <= seed): {row['overlap']}")
     print("final loss: " + ", ".join(f"{k} {v:.4f}" for k, v in row["final_loss"].items()))
     for k, v in dtypes.items():
@@ -261,7 +292,10 @@ def parse_args(argv: list[str]) -> BenchConfig:
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     p.add_argument("--seeds", type=positive_int, default=2, help="homogeneous seeds (>= 2)")
     p.add_argument(
-        "--seed-kind", choices=("init", "data"), default="init", help="what the 2nd seed varies"
+        "--seed-kind",
+        choices=("run", "init", "data"),
+        default="run",
+        help="what the 2nd seed varies (run: both, as llava_train --seed)",
     )
     return BenchConfig(**vars(p.parse_args(argv)))
 

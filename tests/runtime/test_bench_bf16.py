@@ -47,10 +47,17 @@ def quick(tmp_path_factory):
 def test_quick_run_reports_curves_and_fp32_reduction(quick):
     row, printed = quick
     assert row["quick"] is True and row["steps"] == QUICK_STEPS
-    assert set(row["losses"]) == {"hetero", "homo", "homo_seed1"}
+    # both layouts at both seeds; the seed is the run's (initialisation and data)
+    assert set(row["losses"]) == {"hetero", "homo", "hetero_seed1", "homo_seed1"}
+    assert row["seed_varied"].startswith("the run's seed")
     assert all(len(v) == row["steps"] for v in row["losses"].values())
     for key in ("ma_diff_hetero_vs_homo", "ma_diff_seed0_vs_seed1"):
         assert isinstance(row[key], float) and row[key] >= 0
+    assert row["ma_diff_layout_by_seed"][0] == row["ma_diff_hetero_vs_homo"]
+    assert row["ma_diff_seed_pairs"] == {"0-1": row["ma_diff_seed0_vs_seed1"]}
+    layout, seeds = row["mean_ma_diff_layout"], row["mean_ma_diff_seed_pairs"]
+    assert layout == sum(row["ma_diff_layout_by_seed"]) / 2
+    assert row["overlap_over_seeds"] is (layout <= seeds)
     assert isinstance(row["overlap"], bool)
     assert row["fp32_accumulation"] is True
     assert row["grad_dtypes"]["bwd_accumulators"] == ["float32"]
