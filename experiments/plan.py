@@ -163,7 +163,7 @@ AUTO = "auto"  # --layout auto: parallel.layouts == {AUTO: AUTO}
 def hetjax_workload(global_batch: int, seq_len: int, *, act_bytes: int):
     """A runnable preset's step as hetjax's executor runs it: one image per sample, XLA's
     full attention, separate q/k/v/gate/up weights, ep gradients (and cp ones, except a
-    dense tp=1 LLM's, which are reduced once per step) summed per microbatch (what the
+    dense LLM's, which are reduced once per step) summed per microbatch (what the
     validation test checks against the compiled programs)."""
     from hetjax.plan import Workload
 

@@ -40,8 +40,10 @@ TOLERANCE = 0.10
 CASES = {
     "colocated_tp_pp": ("tiny", "colocated", "dp=8", "dp=2,tp=2,pp=2", False),
     "noncolocated_pp_zero1": ("tiny", "non-colocated", "dp=2,pp=2", "dp=2,tp=2", True),
+    # the dense LLM runs per cp rank (tp = 2 and 1), its gradients reduced over dp x cp
+    # once per step; the compiled backward's FLOPs match the cost model's (no replica of
+    # dp left unpartitioned inside the per-rank region)
     "colocated_cp": ("tiny", "colocated", "dp=4,tp=2", "dp=2,cp=2,tp=2", False),
-    # tp = 1: the LLM runs per cp rank, its gradients reduced over dp x cp once per step
     "colocated_cp_pp": ("tiny", "colocated", "dp=8", "dp=2,cp=2,pp=2", False),
     "homogeneous_tp": ("tiny", "homogeneous", None, "dp=4,tp=2", False),
     "noncolocated_ep": ("tiny-moe", "non-colocated", "dp=4", "dp=4,ep=4", False),
