@@ -24,8 +24,9 @@ Keys:
   ``full``, residuals under
   ``none`` / ``selective``; ``peak_stash_entries_per_stage`` the most entries.
 - ``step_time_s``: median wall time of steps 2..``--steps`` (CPU: indicative only).
-- ``cp_grad_reductions_per_step`` (a last row, also in ``--quick``: colocated with the
-  LLM ``dp=2,cp=2,pp=2``, recompute ``none``): how many program calls of one step
+- ``cp_grad_reductions_per_step`` (the cp rows: colocated with the LLM
+  ``dp=2,cp=2,pp=2``, also in ``--quick``, and ``cp=2,tp=2,pp=2``; recompute ``none``):
+  how many program calls of one step
   all-reduce parameter gradients over cp (:func:`cp_grad_reductions`); the goal of
   issue 14 is 1: the LLM runs per cp rank (``StageProgram.cp_local``) and only the
   step's ``reduce`` sums over dp x cp (before, every microbatch's backward did: M).
@@ -94,8 +95,10 @@ LAYOUTS = {
     "non-colocated": {"vision": "dp=4", "llm": "dp=2,pp=2"},
     "homogeneous": {"vision": "dp=8", "llm": "dp=2,tp=2,pp=2"},
 }
-# The cp row: the colocated layouts with the LLM context parallel.
+# The cp rows: the colocated layouts with the LLM context parallel (the second, not in
+# --quick, with tensor parallelism too).
 CP_LAYOUTS = {"vision": "dp=4,tp=2", "llm": "dp=2,cp=2,pp=2"}
+CP_TP_LAYOUTS = {"vision": "dp=4,tp=2", "llm": "cp=2,tp=2,pp=2"}
 NONE_GOAL = 1.02  # flops_ratio with recompute none
 DISPATCH_GOAL = 1.2  # executor step / fused step on negligible compute (issue 14, reported)
 DISPATCH_LAYOUTS = {"vision": "dp=4", "llm": "pp=4"}
@@ -292,8 +295,8 @@ def check(rows: list[dict]) -> list[str]:
             bad.append(f"{r['placement']}: recompute full runs no more FLOPs than none")
         if r.get("cp_grad_reductions_per_step", 1) != 1:
             bad.append(
-                f"cp=2: parameter gradients reduced over cp {r['cp_grad_reductions_per_step']}x"
-                " per step (goal 1)"
+                f"llm {r['layouts']['llm']}: parameter gradients reduced over cp "
+                f"{r['cp_grad_reductions_per_step']}x per step (goal 1)"
             )
     return bad
 
@@ -307,7 +310,9 @@ def print_table(rows: list[dict]) -> None:
         stash = ", ".join(
             f"{k} {v / 2**20:.2f}" for k, v in r["peak_stash_bytes_per_stage"].items()
         )
-        where = r["placement"] + (" cp=2" if "cp_grad_reductions_per_step" in r else "")
+        where = r["placement"]
+        if "cp_grad_reductions_per_step" in r:
+            where = f"llm {r['layouts']['llm']}"
         print(
             f"{where:<14} {r['recompute']:<10} {r['flops_per_step'] / 1e9:11.3f}"
             f" {r['reference_flops_per_step'] / 1e9:10.3f} {r['flops_ratio']:6.3f}"
@@ -334,6 +339,8 @@ def main(config: BenchConfig) -> list[dict]:
                 file=sys.stderr,
             )
     rows.append(run("none", "colocated", work, config.steps, CP_LAYOUTS))
+    if not config.quick:
+        rows.append(run("none", "colocated", work, config.steps, CP_TP_LAYOUTS))
     rows.append(dispatch_row(work["devices"], 5 if config.quick else DISPATCH_STEPS))
     print_table([r for r in rows if "flops_ratio" in r])
     d = rows[-1]
@@ -356,7 +363,10 @@ def main(config: BenchConfig) -> list[dict]:
     )
     for r in rows:
         if "cp_grad_reductions_per_step" in r:
-            print(f"cp=2: parameter gradients reduced over cp {r['cp_grad_reductions_per_step']}x")
+            print(
+                f"llm {r['layouts']['llm']}: parameter gradients reduced over cp "
+                f"{r['cp_grad_reductions_per_step']}x per step"
+            )
     finish_rows(rows, config.json, check(rows), "goal missed")
     return rows
 
