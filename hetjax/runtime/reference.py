@@ -73,6 +73,8 @@ class ReferenceTrainer:
         mask_key: batch key whose sum over the global batch is the loss normaliser.
         frozen: top-level keys of ``params`` not trained (no gradient, no optimizer
             state; ``optimizer`` is applied to the other keys' subtree only).
+        compiler_options: XLA options for the step's compile, as ``jax.jit``'s (e.g.
+            ``{"xla_backend_optimization_level": 1}``); None: the process's defaults.
     """
 
     def __init__(
@@ -85,6 +87,7 @@ class ReferenceTrainer:
         microbatches: int = 1,
         mask_key: str = "loss_mask",
         frozen: Collection[str] = (),
+        compiler_options: Mapping[str, Any] | None = None,
     ):
         unknown = sorted(set(frozen) - set(params))
         if unknown:
@@ -137,7 +140,7 @@ class ReferenceTrainer:
             }
             return params, opt_state, metrics
 
-        self._step = jax.jit(train_step, donate_argnums=(0, 1))
+        self._step = jax.jit(train_step, donate_argnums=(0, 1), compiler_options=compiler_options)
 
     def trainable(self, tree: Mapping[str, Any]) -> dict[str, Any]:
         """The trainable modules' subtree of a ``params``-shaped tree."""
