@@ -132,23 +132,43 @@ def reference_flops(work: dict) -> float:
 
 def cp_grad_reductions(rec: Any, ex: Any) -> int:
     """How often one step all-reduces parameter gradients over ``cp``: per stage with
-    cp > 1, its bwd / reduce calls whose compiled program all-reduces a non-scalar over
-    cp (a scalar: the loss); the most over stages."""
+    cp > 1, its bwd / reduce calls whose compiled program all-reduces over cp an array
+    shaped like one of the stage's trainable parameters (its per-device shard, or one
+    layer of a stacked block parameter, dimensions of size 1 left out): activation
+    gradients (the homogeneous baseline's image tokens, summed over cp) and the scalar
+    loss are not parameter gradients. The most over stages."""
     import math
     from collections import Counter
 
+    import jax
+
     from hetjax.inspect import collectives, varied_axes
 
+    def squeezed(shape) -> tuple[int, ...]:
+        return tuple(d for d in shape if d != 1)
+
+    def param_shapes(key) -> set[tuple[int, ...]]:
+        program = ex.programs[key]
+        params = program.trainable_of(program.abstract_state()[0])
+        shapes = set()
+        for a in jax.tree.leaves(params):
+            shard = a.sharding.shard_shape(a.shape)
+            shapes |= {squeezed(shard), squeezed(shard[1:])}  # whole, or one stacked layer
+        return shapes - {()}
+
     counts: Counter = Counter()
+    shapes_of: dict = {}
     for (key, kind), n in rec.calls.items():
         mesh = ex.programs[key].mesh
         if mesh.shape["cp"] == 1 or kind not in ("bwd", "reduce"):
             continue
+        if key not in shapes_of:
+            shapes_of[key] = param_shapes(key)
         items = collectives(rec.compiled[(key, kind)].as_text(), mesh.size)
         if any(
             c.kind == "all-reduce"
             and "cp" in varied_axes(c, mesh)
-            and any(math.prod(s) > 1 for s in c.shapes)
+            and any(math.prod(s) > 1 and squeezed(s) in shapes_of[key] for s in c.shapes)
             for c in items
         ):
             counts[key] += n

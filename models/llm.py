@@ -19,7 +19,12 @@ from flax import nnx
 
 from hetjax.modules import StagedModule
 from hetjax.ops import context as parallel
-from hetjax.ops import merge_modality_tokens, merge_routed, vocab_parallel_lookup
+from hetjax.ops import (
+    merge_modality_tokens,
+    merge_routed,
+    merge_whole_per_rank,
+    vocab_parallel_lookup,
+)
 from models.config import LLMConfig
 from models.layers import DecoderBlock, Dense, RMSNorm, normal_param
 
@@ -60,6 +65,10 @@ class TokenEmbed(nnx.Module):
                 h_BxLxD = merge_routed(
                     h_BxLxD, is_slot_BxL, tokens_BxNxD, mesh=ctx.mesh, batch_axes=ctx.batch_axes
                 )
+                continue
+            if ctx is not None and ctx.cp > 1 and parallel.cp_is_manual():
+                # Per cp rank, the tokens whole on every rank (the homogeneous baseline).
+                h_BxLxD = merge_whole_per_rank(h_BxLxD, is_slot_BxL, tokens_BxNxD, cp=ctx.cp)
                 continue
             positions = None if ctx is None or ctx.cp == 1 else ctx.positions(tokens_BxL.shape[1])
             h_BxLxD = merge_modality_tokens(h_BxLxD, is_slot_BxL, tokens_BxNxD, positions)

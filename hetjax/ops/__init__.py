@@ -21,6 +21,7 @@ from hetjax.ops.ring_attention import causal_attention as causal_attention
 from hetjax.ops.ring_attention import ring_attention as ring_attention
 from hetjax.ops.token_routing import merge_modality_tokens as merge_modality_tokens
 from hetjax.ops.token_routing import merge_routed as merge_routed
+from hetjax.ops.token_routing import merge_whole_per_rank as merge_whole_per_rank
 
 __all__ = [
     "MoEFFN",
@@ -32,6 +33,7 @@ __all__ = [
     "load_balance_loss_per_sample",
     "merge_modality_tokens",
     "merge_routed",
+    "merge_whole_per_rank",
     "moe_ffn",
     "ring_attention",
     "route",

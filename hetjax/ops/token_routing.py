@@ -52,6 +52,7 @@ __all__ = [
     "gather_routes",
     "merge_modality_tokens",
     "merge_routed",
+    "merge_whole_per_rank",
     "owner_rank",
     "scatter_routes",
     "token_routes",
@@ -170,6 +171,36 @@ def merge_modality_tokens(
         inverse = np.argsort(positions_L)  # stored index of each original position
         order = jnp.cumsum(is_slot_BxL[:, inverse], axis=1)[:, positions_L]
     idx_BxL = jnp.clip(order - 1, 0, tokens_BxNxD.shape[1] - 1)
+    gathered_BxLxD = jnp.take_along_axis(tokens_BxNxD, idx_BxL[..., None], axis=1)
+    return jnp.where(is_slot_BxL[..., None], gathered_BxLxD.astype(h_BxLxD.dtype), h_BxLxD)
+
+
+def merge_whole_per_rank(
+    h_BxLxD: jax.Array,
+    is_slot_BxL: jax.Array,
+    tokens_BxNxD: jax.Array,
+    *,
+    cp: int,
+    cp_axis: str = "cp",
+) -> jax.Array:
+    """Inside a region manual over ``cp_axis`` (:func:`hetjax.ops.context.cp_is_manual`):
+    this rank's block of :func:`merge_modality_tokens` when the modality tokens arrive
+    WHOLE on every rank (not routed: the homogeneous baseline, whose encoder shares the
+    LLM's devices and layout). ``h_BxLxD`` and ``is_slot_BxL`` are the rank's block of
+    the zigzag-stored sequence. Slots are numbered in original order over the whole
+    sequence, so the slot mask (``[B, L]`` booleans, not the activations) is
+    all-gathered over cp first. The tokens' cotangent from one rank covers only its own
+    slots: the caller sums it over cp."""
+    from hetjax.meshes.sequence import zigzag_permutation
+
+    block = is_slot_BxL.shape[1]
+    whole_BxL = jax.lax.all_gather(is_slot_BxL, cp_axis, axis=1, tiled=True)  # storage order
+    positions = zigzag_permutation(block * cp, cp)
+    inverse = np.argsort(positions)  # stored index of each original position
+    order = jnp.cumsum(whole_BxL[:, inverse].astype(jnp.int32), axis=1)[:, positions]
+    start = jax.lax.axis_index(cp_axis) * block
+    mine_BxL = jax.lax.dynamic_slice_in_dim(order, start, block, axis=1)
+    idx_BxL = jnp.clip(mine_BxL - 1, 0, tokens_BxNxD.shape[1] - 1)
     gathered_BxLxD = jnp.take_along_axis(tokens_BxNxD, idx_BxL[..., None], axis=1)
     return jnp.where(is_slot_BxL[..., None], gathered_BxLxD.astype(h_BxLxD.dtype), h_BxLxD)
 

@@ -249,7 +249,6 @@ def llm_stages(cfg: Any, plan: Plan, work: Workload, hw: HardwareProfile) -> lis
         microbatches=m,
         live=live_microbatches(plan)[1],
         vocab=cfg.llm.vocab,
-        merges_unrouted=plan.mode == "homogeneous",
         hw=hw,
         act_bytes=work.act_bytes,
         fused_columns=work.fused_columns,

@@ -76,7 +76,6 @@ def module_stages(
     act_bytes: int = BF16,
     cp_redundant: bool = False,
     vocab: int = 0,
-    merges_unrouted: bool = False,
     fused_columns: bool = True,
     replica_grads_per_microbatch: bool = False,
 ) -> list[StageCost]:
@@ -101,12 +100,8 @@ def module_stages(
             does not run per cp rank, are summed inside every microbatch's backward (as
             GSPMD does), and only the rest reduce once per step. A dense loss module
             (``vocab`` > 0) runs per cp rank (``StageProgram.cp_local``): its gradients
-            are reduced over dp x cp once per step, except on a first stage that
-            ``merges_unrouted``. False: one reduction over dp x cp per step everywhere
-            (Megatron).
-        merges_unrouted: The first stage merges modality tokens that arrive whole over
-            cp (the homogeneous baseline, whose encoders share the LLM's devices): it
-            does not run per cp rank.
+            are reduced over dp x cp once per step. False: one reduction over dp x cp per
+            step everywhere (Megatron).
 
     Returns:
         One :class:`StageCost` per stage.
@@ -174,7 +169,7 @@ def module_stages(
         group = dp * cp
         grads = params / tp * FP32
         # What hetjax's engine sums in the backward (see replica_grads_per_microbatch).
-        cp_local = vocab > 0 and shape.experts <= 1 and not (first and merges_unrouted)
+        cp_local = vocab > 0 and shape.experts <= 1
         sync = 1 if cp_redundant or cp_local else cp * (ep if moe else 1)
         if replica_grads_per_microbatch and sync > 1:
             dense = (params - experts / ep) / tp * FP32

@@ -132,8 +132,6 @@ class Executor:
                 backward=self.graph.has_backward(key),
                 input_grad=self._input_grad(key),
                 stash_frozen_output=self.graph.stashes_frozen_output(key),
-                merges_unrouted=key[1] == 0
-                and any((l.src, l.dst) not in plan.routed for l in self.graph.links_into(key[0])),
             )
             for key in plan.stage_keys
         }

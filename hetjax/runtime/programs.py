@@ -142,19 +142,17 @@ def zero1_sharding(
     return sharding
 
 
-def cp_local(
-    spec: ModuleSpec, mesh: Mesh, *, is_sink: bool, moe: bool, merges_unrouted: bool = False
-) -> bool:
+def cp_local(spec: ModuleSpec, mesh: Mesh, *, is_sink: bool, moe: bool) -> bool:
     """Whether a stage's programs run per cp rank (gradients reduced over cp once per
     step, in ``reduce``). Yes for a context-parallel loss module (the LLM) whose data
     arrives split over cp, with any tp. Not (their cp gradients are still all-reduced by
     GSPMD in every backward) for: an encoder with cp > 1 (it gets whole inputs and splits
     its tokens itself); expert parallelism (its token dispatch ``shard_map`` s over cp
     itself); MoE layers even at ep = 1 (capacity and balancing statistics are taken over
-    all of a replica's tokens, not one rank's); a first stage that ``merges_unrouted``
-    modality tokens (the homogeneous baseline, whose encoders sit on the LLM's devices
-    and hand over their tokens whole over cp): the merge numbers placeholders over the
-    whole sequence, and the tokens' cotangent is a sum over the cp ranks.
+    all of a replica's tokens, not one rank's). Modality tokens that arrive whole over cp
+    (the homogeneous baseline's, not routed) are merged per rank too
+    (:func:`hetjax.ops.token_routing.merge_whole_per_rank`: the slot mask is gathered
+    over cp, the tokens' cotangent summed over cp in the backward).
 
     History: this was tp = 1 only while the region was manual over cp alone; with tp > 1
     left to the partitioner inside it, jax 0.10.2's Shardy aborted
@@ -169,7 +167,6 @@ def cp_local(
         and bool(spec.seq_inputs)
         and mesh.shape["ep"] == 1
         and not moe
-        and not merges_unrouted
     )
 
 
@@ -241,7 +238,6 @@ class StageProgram:
         backward: bool = True,
         input_grad: bool | frozenset[str] = True,
         stash_frozen_output: bool = False,
-        merges_unrouted: bool = False,
     ):
         self.spec, self.stage, self.mesh = spec, stage, mesh
         self.options = options
@@ -267,9 +263,7 @@ class StageProgram:
         moe = any(
             "router" in jax.tree_util.keystr(k) for k, _ in jax.tree.leaves_with_path(self.axes)
         )
-        self.cp_local = cp_local(
-            spec, mesh, is_sink=is_sink, moe=moe, merges_unrouted=merges_unrouted
-        )
+        self.cp_local = cp_local(spec, mesh, is_sink=is_sink, moe=moe)
         # Accumulator axes before the parameter's own: [R] or, per cp rank, [R, cp].
         self.acc_axes = (REPLICA_AXIS, CP_AXIS) if self.cp_local else (REPLICA_AXIS,)
         self.param_shardings = param_shardings(self.axes, mesh)
@@ -545,7 +539,8 @@ class StageProgram:
                 return gp, gx, loss
 
             gp, gx, loss = self._vmap_replicas(per_replica)(*self._per_replica((x, batch, g_out)))
-            return self._per_rank(gp), self._merge_replicas(gx), self._per_rank(jnp.sum(loss))
+            gx = self._sum_whole_over_cp(self._merge_replicas(gx))
+            return self._per_rank(gp), gx, self._per_rank(jnp.sum(loss))
 
         data = (x, batch, g_out)
         x_diff = self._split_input(x)[0]
@@ -574,7 +569,7 @@ class StageProgram:
             kept = self._of_rank(kept)
             (g_out,) = self._per_replica((g_out,))
             gp, gx = self._vmap_replicas(per_replica)(kept, g_out)
-            return self._per_rank(gp), self._merge_replicas(gx)
+            return self._per_rank(gp), self._sum_whole_over_cp(self._merge_replicas(gx))
 
         data = (res.leaves, g_out)
         gp, gx = self._cp_map(replicas, data, (PER_RANK, PER_RANK))(
@@ -638,6 +633,15 @@ class StageProgram:
                 for k, v in tree.items()
             }
         return split
+
+    def _sum_whole_over_cp(self, gx: Any) -> Any:
+        """Inside :meth:`_cp_map`: a first stage's link inputs that arrive whole over cp
+        (not :class:`Routed`: the homogeneous baseline's image tokens) got from each rank
+        the cotangent of its own slots only; summed over cp here (an activation
+        gradient, once per microbatch, as GSPMD would; parameters stay per rank)."""
+        if not self.cp_local or not isinstance(gx, dict):
+            return gx
+        return {k: g if isinstance(g, Routed) else jax.lax.psum(g, CP_AXIS) for k, g in gx.items()}
 
     def _per_rank(self, tree: Any) -> Any:
         """Inside :meth:`_cp_map`: a cp axis of size 1 after the replica axis (a scalar

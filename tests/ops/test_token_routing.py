@@ -25,6 +25,7 @@ from hetjax.ops.token_routing import (
     gather_routes,
     merge_modality_tokens,
     merge_routed,
+    merge_whole_per_rank,
     owner_rank,
     scatter_routes,
     token_routes,
@@ -188,6 +189,43 @@ def test_merge_routed_matches_replicated_merge(dp, cp):
     got_dh, got_dimg = jax.jit(jax.grad(routed_loss, argnums=(0, 1)))(h_stored, img)
     want_dh, want_dimg = jax.grad(reference_loss, argnums=(0, 1))(h_BxLxD, img_BxNxD)
     np.testing.assert_allclose(got_dh, np.asarray(want_dh)[:, perm], rtol=0, atol=ATOL)
+    np.testing.assert_allclose(got_dimg, want_dimg, rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_merge_whole_per_rank_matches_the_whole_merge(cp):
+    """Per cp rank with the tokens whole on every rank (the homogeneous baseline): each
+    rank's block is the whole-sequence merge's, and the tokens' gradient, each rank's
+    partial summed over cp, is the whole merge's."""
+    b, seq, n, d = 2, 32, 6, 8
+    mesh = Mesh(np.array(jax.devices()[:cp]), ("cp",))
+    is_slot_BxL = slot_masks(b, seq, n, seed=cp)
+    h_BxLxD, img_BxNxD = normal((b, seq, d), seed=1), normal((b, n, d), seed=2)
+    w_BxLxD = normal((b, seq, d), seed=3)  # linear functional for the gradient
+    perm = zigzag_permutation(seq, cp)
+
+    def per_rank(h, slot, img, w):
+        def loss(img):
+            merged = merge_whole_per_rank(h, slot, img, cp=cp)
+            return jnp.sum(merged * w), merged
+
+        (_, merged), g_img = jax.value_and_grad(loss, has_aux=True)(img)
+        return merged, jax.lax.psum(g_img, "cp")
+
+    split, whole = PartitionSpec(None, "cp"), PartitionSpec()
+    fn = jax.shard_map(
+        per_rank,
+        mesh=mesh,
+        in_specs=(split, split, whole, split),
+        out_specs=(split, whole),
+        check_vma=False,
+    )
+    got, got_dimg = jax.jit(fn)(h_BxLxD[:, perm], is_slot_BxL[:, perm], img_BxNxD, w_BxLxD[:, perm])
+    want = merge_modality_tokens(h_BxLxD, is_slot_BxL, img_BxNxD)
+    np.testing.assert_array_equal(got, np.asarray(want)[:, perm])
+    want_dimg = jax.grad(
+        lambda img: jnp.sum(merge_modality_tokens(h_BxLxD, is_slot_BxL, img) * w_BxLxD)
+    )(img_BxNxD)
     np.testing.assert_allclose(got_dimg, want_dimg, rtol=0, atol=ATOL)
 
 

@@ -151,9 +151,10 @@ def test_matches_single_device_reference(case):
     rec = Recorder()
     ex = check_matches_reference(case, ref, observers=(rec,))
     llm = case.parsed["llm"]
-    if llm.cp > 1 and case.mode != "homogeneous" and get_preset(case.preset).llm.moe is None:
+    if llm.cp > 1 and get_preset(case.preset).llm.moe is None:
         # A dense LLM with cp > 1, whatever its tp (A: dp=2,cp=2,tp=2; H: cp=2,tp=2 with
-        # sequence parallelism): its gradients are reduced over cp once per step.
+        # sequence parallelism) and in the homogeneous baseline too (J: its image tokens
+        # arrive whole over cp): its gradients are reduced over cp once per step.
         assert_cp_reduced_once_per_step(rec, ex, len(ref.batches))
 
 
