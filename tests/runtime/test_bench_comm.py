@@ -4,8 +4,12 @@ that inherits tp > 1 or cp > 1)."""
 
 import pytest
 
+from experiments.bench_comm import GLOBAL_BATCH, SCENARIOS
 from hetjax import Layout
+from models.config import get_preset
 from tests.runtime.benchmarks import quick_rows
+
+SCENARIOS_BY_NAME = {s.name: s for s in SCENARIOS}
 
 KEYS = {
     "scenario",
@@ -61,17 +65,24 @@ def test_heterogeneous_encoder_moves_fewer_collective_bytes(rows):
         )
         # The LLM's programs do not depend on the encoder's layout, except that with
         # cp > 1 the heterogeneous link routes each cp rank only its own image tokens, so
-        # their gradient is no longer all-reduced over cp inside the LLM.
+        # their gradient is not all-reduced over cp inside the LLM, nor the slot mask
+        # gathered over cp to number the slots (the homogeneous LLM, per cp rank, gets
+        # the tokens whole: hetjax.ops.token_routing.merge_whole_per_rank).
         llm = {
             r["mode"]: r["collective_bytes"]
             for r in rows
             if r["scenario"] == scenario and r["module"] == "llm"
         }
-        if Layout.parse(hom["layout"]).cp == 1:
+        if inherited.cp == 1:
             assert llm["heterogeneous"] == llm["homogeneous"]
         else:
             assert llm["heterogeneous"]["all-reduce"] < llm["homogeneous"]["all-reduce"]
-            for kind in KINDS - {"all-reduce"}:
+            # the [B, L] boolean mask, whole on each of the LLM's devices, once per step
+            seq_len = get_preset(SCENARIOS_BY_NAME[scenario].preset).seq_len
+            mask = inherited.num_devices * GLOBAL_BATCH // inherited.dp * seq_len
+            gathered = llm["homogeneous"]["all-gather"] - llm["heterogeneous"]["all-gather"]
+            assert gathered == mask, (gathered, mask)
+            for kind in KINDS - {"all-reduce", "all-gather"}:
                 assert llm["heterogeneous"][kind] == llm["homogeneous"][kind], kind
 
 
