@@ -192,6 +192,13 @@ def run_cli(main: Callable[[list[str]], int], prog: str) -> NoReturn:
         code = main(sys.argv[1:])
     except ConfigError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
+        sys.stderr.flush()
+        # The line is the whole report. A failed library call may leave background work
+        # behind (a damaged checkpoint: orbax's pending tensorstore reads, whose
+        # coroutines are collected after their event loop closed); at interpreter exit
+        # Python would print each as "Exception ignored in ..." - thousands of lines,
+        # timing-dependent. Nothing is left to report after the one line.
+        sys.unraisablehook = lambda _: None
         sys.exit(2)
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
