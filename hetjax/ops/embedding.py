@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
+from hetjax.ops.context import auto_axes
+
 __all__ = ["vocab_parallel_lookup"]
 
 
@@ -49,9 +51,8 @@ def vocab_parallel_lookup(
     manual = jax.sharding.get_abstract_mesh().manual_axes
     if manual:
         mesh = jax.sharding.get_abstract_mesh()
-        batch_axes = [a for a in batch_axes or () if a not in manual]
-        seq_axis = None if seq_axis in manual else seq_axis
-    batch = tuple(batch_axes) if batch_axes else None
+    batch = auto_axes(tuple(batch_axes) if batch_axes else None)
+    seq_axis = auto_axes(seq_axis)
     rows = vocab // tp
 
     def local(table, ids):

@@ -43,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
+from hetjax.meshes.sequence import inverse_permutation, zigzag_permutation
 from hetjax.ops.context import cp_is_manual
 
 __all__ = [
@@ -165,12 +166,24 @@ def merge_modality_tokens(
     slot mask is reordered for that, never the activations. A cp rank's routed block
     (:func:`merge_routed`) is the same merge of its local slots, in storage order.
     """
+    return _place(h_BxLxD, is_slot_BxL, tokens_BxNxD, _slot_numbers(is_slot_BxL, positions_L))
+
+
+def _slot_numbers(is_slot_BxL: jax.Array, positions_L: np.ndarray | None) -> jax.Array:
+    """1-based number of each placeholder among its sample's, counted in original order
+    (``positions_L``: the original position of each stored element; None: stored in
+    original order)."""
     if positions_L is None:
-        order = jnp.cumsum(is_slot_BxL, axis=1)
-    else:
-        inverse = np.argsort(positions_L)  # stored index of each original position
-        order = jnp.cumsum(is_slot_BxL[:, inverse], axis=1)[:, positions_L]
-    idx_BxL = jnp.clip(order - 1, 0, tokens_BxNxD.shape[1] - 1)
+        return jnp.cumsum(is_slot_BxL, axis=1)
+    inverse = inverse_permutation(positions_L)  # stored index of each original position
+    return jnp.cumsum(is_slot_BxL[:, inverse], axis=1)[:, positions_L]
+
+
+def _place(
+    h_BxLxD: jax.Array, is_slot_BxL: jax.Array, tokens_BxNxD: jax.Array, numbers_BxL: jax.Array
+) -> jax.Array:
+    """``h`` with placeholder ``i`` (by :func:`_slot_numbers`) replaced by token ``i``."""
+    idx_BxL = jnp.clip(numbers_BxL - 1, 0, tokens_BxNxD.shape[1] - 1)
     gathered_BxLxD = jnp.take_along_axis(tokens_BxNxD, idx_BxL[..., None], axis=1)
     return jnp.where(is_slot_BxL[..., None], gathered_BxLxD.astype(h_BxLxD.dtype), h_BxLxD)
 
@@ -191,18 +204,12 @@ def merge_whole_per_rank(
     sequence, so the slot mask (``[B, L]`` booleans, not the activations) is
     all-gathered over cp first. The tokens' cotangent from one rank covers only its own
     slots: the caller sums it over cp."""
-    from hetjax.meshes.sequence import zigzag_permutation
-
     block = is_slot_BxL.shape[1]
     whole_BxL = jax.lax.all_gather(is_slot_BxL, cp_axis, axis=1, tiled=True)  # storage order
-    positions = zigzag_permutation(block * cp, cp)
-    inverse = np.argsort(positions)  # stored index of each original position
-    order = jnp.cumsum(whole_BxL[:, inverse].astype(jnp.int32), axis=1)[:, positions]
+    numbers = _slot_numbers(whole_BxL, zigzag_permutation(block * cp, cp))
     start = jax.lax.axis_index(cp_axis) * block
-    mine_BxL = jax.lax.dynamic_slice_in_dim(order, start, block, axis=1)
-    idx_BxL = jnp.clip(mine_BxL - 1, 0, tokens_BxNxD.shape[1] - 1)
-    gathered_BxLxD = jnp.take_along_axis(tokens_BxNxD, idx_BxL[..., None], axis=1)
-    return jnp.where(is_slot_BxL[..., None], gathered_BxLxD.astype(h_BxLxD.dtype), h_BxLxD)
+    mine_BxL = jax.lax.dynamic_slice_in_dim(numbers, start, block, axis=1)
+    return _place(h_BxLxD, is_slot_BxL, tokens_BxNxD, mine_BxL)
 
 
 def merge_routed(
