@@ -64,9 +64,8 @@ class ParallelContext:
         None when sequence parallelism is off or ``tp == 1``."""
         if not self.sp:
             return None
-        batch = auto_axes(self.batch_axes)
-        seq = auto_axes(sequence_axes(self.mesh, tp=split))
-        return on_context_mesh(activation_sharding(self.mesh, ndim, batch_axes=batch, sequence=seq))
+        seq = sequence_axes(self.mesh, tp=split)
+        return region_activation_sharding(self.mesh, ndim, batch_axes=self.batch_axes, sequence=seq)
 
     @property
     def sp(self) -> bool:
@@ -124,9 +123,16 @@ def auto_axes(axes: str | tuple[str, ...] | None) -> str | tuple[str, ...] | Non
     return kept or None
 
 
-def on_context_mesh(sharding: NamedSharding) -> NamedSharding:
-    """``sharding`` as a constraint inside a ``shard_map`` (some axes manual) must name
-    the region's own abstract mesh; outside one, unchanged."""
+def region_activation_sharding(
+    mesh: Mesh, ndim: int, *, batch_axes: Any, sequence: Any
+) -> NamedSharding:
+    """:func:`~hetjax.meshes.rules.activation_sharding` as a constraint where the code is
+    traced: inside a ``shard_map`` (some axes manual) it names only the axes left
+    automatic (:func:`auto_axes`), on the region's own abstract mesh; outside one, the
+    plain sharding."""
+    sharding = activation_sharding(
+        mesh, ndim, batch_axes=auto_axes(batch_axes), sequence=auto_axes(sequence)
+    )
     here = jax.sharding.get_abstract_mesh()
     if not here.manual_axes:
         return sharding

@@ -76,8 +76,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from hetjax.distributed.rendezvous import FirstCalls
-from hetjax.meshes import BATCH_AXES, activation_sharding, param_shardings, sequence_axes
-from hetjax.ops.context import auto_axes, on_context_mesh, parallel_context
+from hetjax.meshes import BATCH_AXES, param_shardings, sequence_axes
+from hetjax.ops.context import auto_axes, parallel_context, region_activation_sharding
 from hetjax.ops.token_routing import Routed
 from hetjax.runtime.graph import ModuleSpec
 from hetjax.runtime.jitted import Program, program_name
@@ -478,12 +478,10 @@ class StageProgram:
         sp = self.options.sequence_parallel and self.mesh.shape["tp"] > 1
         # Per cp rank (cp_local, manual over dp and cp) the block is this rank's: only
         # sequence parallelism's tp split is left to name.
-        seq = auto_axes(sequence_axes(self.mesh, tp=sp))
-        if seq is None:
+        seq = sequence_axes(self.mesh, tp=sp)
+        if auto_axes(seq) is None:
             return None
-        return on_context_mesh(
-            activation_sharding(self.mesh, h.ndim, batch_axes=auto_axes(batch_axes), sequence=seq)
-        )
+        return region_activation_sharding(self.mesh, h.ndim, batch_axes=batch_axes, sequence=seq)
 
     @property
     def batch_keys(self) -> tuple[str, ...]:
