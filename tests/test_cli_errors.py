@@ -4,11 +4,9 @@ even when the failed work leaves objects behind whose clean-up raises at interpr
 collected after their event loop closed, and Python would print each as "Exception
 ignored in ...")."""
 
-import subprocess
-import sys
 import textwrap
 
-from tests.runtime.benchmarks import ROOT
+from tests import launch
 
 SCRIPT = textwrap.dedent(
     """
@@ -28,9 +26,7 @@ SCRIPT = textwrap.dedent(
 
 
 def test_config_error_is_one_line_despite_teardown_noise():
-    out = subprocess.run(
-        [sys.executable, "-c", SCRIPT], cwd=ROOT, capture_output=True, text=True, timeout=60
-    )
+    out = launch.run_code(SCRIPT, timeout=60)
     assert out.returncode == 2
     assert out.stderr.splitlines() == [
         "prog: error: checkpoint x is damaged or incomplete; delete it"

@@ -5,8 +5,6 @@ needs a GPU; the smoke run is the same code at tiny sizes (one executor for both
 import contextlib
 import io
 import json
-import subprocess
-import sys
 import warnings
 
 import jax
@@ -14,7 +12,7 @@ import pytest
 
 from experiments.cli import ConfigError
 from experiments.gpu_check import CheckConfig, main, parse_args
-from tests.runtime.benchmarks import ROOT
+from tests import launch
 
 NUMBER = (int, float)
 
@@ -27,13 +25,7 @@ def test_bad_flags_are_one_line_errors():
     assert parse_args(["--sections", "llm_stage,attention"]).sections == ("llm_stage", "attention")
     with pytest.raises(ConfigError, match=r"--sections: unknown \['bogus'\]; choose from"):
         main(CheckConfig(smoke=True, sections=("attention", "bogus")), devices=jax.devices())
-    out = subprocess.run(
-        [sys.executable, "-m", "experiments.gpu_check", "--bogus"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    out = launch.run("experiments.gpu_check", "--bogus", timeout=120)
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
 
 

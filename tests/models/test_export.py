@@ -3,10 +3,6 @@ LLaVA directory whose reload holds the checkpoint's parameters bit for bit."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import jax
 import numpy as np
 
@@ -15,8 +11,7 @@ from hetjax import checkpoint
 from models import hf
 from models.config import config_to_dict, get_preset
 from models.mllm import MLLM
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests import launch
 
 
 def test_export_of_a_checkpoint_reloads_bit_exactly(tmp_path):
@@ -31,10 +26,8 @@ def test_export_of_a_checkpoint_reloads_bit_exactly(tmp_path):
     )
     meta = {"model": {"preset": config.name, "config": config_to_dict(config)}}
     checkpoint.save(tmp_path / "ckpt", trainer, 3, metadata=meta)
-    cmd = [sys.executable, "-m", "experiments.export", "--checkpoint", str(tmp_path / "ckpt")]
-    out = subprocess.run(
-        [*cmd, "--out", str(tmp_path / "hf")], cwd=ROOT, capture_output=True, text=True
-    )
+    cmd = ["experiments.export", "--checkpoint", str(tmp_path / "ckpt")]
+    out = launch.run(*cmd, "--out", str(tmp_path / "hf"))
     assert out.returncode == 0, out.stderr
     assert "exported step 3" in out.stdout
     again, reloaded = hf.load(tmp_path / "hf")
@@ -42,8 +35,6 @@ def test_export_of_a_checkpoint_reloads_bit_exactly(tmp_path):
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(reloaded), strict=True):
         np.testing.assert_array_equal(np.asarray(a), b)
     # a second export into the same directory is refused in one line
-    again = subprocess.run(
-        [*cmd, "--out", str(tmp_path / "hf")], cwd=ROOT, capture_output=True, text=True
-    )
+    again = launch.run(*cmd, "--out", str(tmp_path / "hf"))
     assert again.returncode == 2 and "not empty" in again.stderr
     assert len(again.stderr.strip().splitlines()) == 1

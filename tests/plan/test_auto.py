@@ -4,6 +4,7 @@ import jax
 
 from experiments.plan import auto_plans, first_accepted, hetjax_workload
 from models.config import get_preset
+from tests import launch
 from tests.runtime.parity import Case, check_matches_reference, reference
 
 GLOBAL_BATCH = 16
@@ -29,14 +30,10 @@ def test_auto_plan_trains_tiny_like_the_reference():
 
 
 def test_layout_auto_flag_and_one_line_errors():
-    import subprocess
-    import sys
-
     from experiments import flags
 
     config = flags.parse_args(["--layout", "auto"], prog="llava_train")
     assert config.parallel.layouts == {"auto": "auto"}
-    cmd = [sys.executable, "-m", "experiments.llava_train", "--layout", "auto", "--steps", "1"]
-    bad = subprocess.run(cmd + ["--model", "tiny-av"], capture_output=True, text=True)
+    bad = launch.run(launch.TRAIN, "--layout", "auto", "--steps", "1", "--model", "tiny-av")
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0, bad.stderr
     assert "plans one vision encoder" in bad.stderr

@@ -6,14 +6,12 @@ benchmark figure (README), not a test: it needs minutes."""
 import contextlib
 import io
 import json
-import subprocess
-import sys
 
 import jax
 import pytest
 
 from experiments.bench_bf16 import QUICK_STEPS, BenchConfig, ma_diff, main, moving_average
-from tests.runtime.benchmarks import ROOT
+from tests import launch
 
 
 def test_moving_average_difference():
@@ -22,13 +20,7 @@ def test_moving_average_difference():
 
 
 def test_bad_flags_are_one_line_errors():
-    out = subprocess.run(
-        [sys.executable, "-m", "experiments.bench_bf16", "--quick", "--steps", "2"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    out = launch.run("experiments.bench_bf16", "--quick", "--steps", "2", timeout=120)
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert "moving-average window" in out.stderr
 
