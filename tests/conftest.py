@@ -1,21 +1,24 @@
-"""Test set-up: 8 simulated CPU devices, configured before JAX starts its backend."""
+"""Test set-up: 8 simulated CPU devices, configured before JAX starts its backend; the
+fixtures tests in several folders share."""
 
 import os
-from pathlib import Path
+
+import pytest
+
+from tests._xla import subprocess_flags
+from tests.launch import ROOT
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
 # Most of the suite's time is XLA compiling the same stage programs again: in different
 # tests (every Executor jits its own closures) and in the subprocesses the CLI and
 # multi-process tests start. A persistent compilation cache shared by all of them (they
 # inherit the environment) turns every repeat into a load. It lives beside pytest's own
 # cache, so a fresh clone starts empty; the key covers the program, the compile options
 # and the device assignment, so a hit is the very executable a compile would give.
-os.environ.setdefault(
-    "JAX_COMPILATION_CACHE_DIR", str(Path(__file__).resolve().parents[1] / ".pytest_cache" / "jax")
-)
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(ROOT / ".pytest_cache" / "jax"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
-from tests._xla import subprocess_flags  # noqa: E402
 
 # 8 simulated devices and patient collectives (see tests/_xla.py);
 # subprocesses inherit them.
@@ -29,3 +32,20 @@ import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_enable_x64", False)
+
+
+@pytest.fixture(scope="session")
+def llava_dir(tmp_path_factory):
+    """The paths of a small LLaVA-format data set (records, images, tokenizer), made once."""
+    from models.llava import demo  # only where a test asks for the data
+
+    out = tmp_path_factory.mktemp("llava")
+    return demo.make(str(out), train=96, heldout=16, long_captions=True)
+
+
+@pytest.fixture(scope="session")
+def tok(llava_dir):
+    """The BPE tokenizer trained for :func:`llava_dir`."""
+    from models.llava import HFTokenizer
+
+    return HFTokenizer(llava_dir["tokenizer"])

@@ -20,7 +20,6 @@ from experiments import flags
 from models.config import get_preset
 from models.llava import REASONS
 from models.llava import run as llava_run
-from tests.models.llava_fixtures import llava_dir  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
 GOOD = {
@@ -40,7 +39,7 @@ def _train(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def argv(llava_dir, tmp_path_factory):  # noqa: F811
+def argv(llava_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cli")
     bad = tmp / "bad.jsonl"
     bad.write_text("\n".join(json.dumps(r) for r in [GOOD, *BAD, GOOD]) + "\n{oops\n")

@@ -32,7 +32,6 @@ import numpy as np
 import pytest
 
 from tests._xla import subprocess_flags
-from tests.models.llava_fixtures import llava_dir  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 600  # per subprocess: all runs share a loaded 2-core CI machine
@@ -183,7 +182,7 @@ def test_killed_process_stops_every_process_and_is_named(tmp_path):
 
 
 @pytest.mark.multiprocess
-def test_llava_processes_decode_only_the_images_their_devices_hold(llava_dir, tmp_path):  # noqa: F811
+def test_llava_processes_decode_only_the_images_their_devices_hold(llava_dir, tmp_path):
     """LLaVA-format data (0, 1 and 2 images per row) on islands, 2 processes x 4 devices:
     process 0 holds the vision encoder and decodes every image of each step, process 1
     holds only the LLM and decodes none; the losses are the single-process run's."""

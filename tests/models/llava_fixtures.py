@@ -1,26 +1,14 @@
-"""The small LLaVA data set the data tests share: made once per session (demo records,
-Pillow images, a BPE tokenizer trained with ``tokenizers``)."""
+"""Loaders over the small LLaVA data set the data tests share (the ``llava_dir`` and
+``tok`` fixtures of tests/conftest.py: demo records, Pillow images, a BPE tokenizer
+trained with ``tokenizers``, made once per session)."""
 
 from __future__ import annotations
 
 import dataclasses
 
-import pytest
-
-from models.llava import HFTokenizer, ImageProcessor, LlavaData, LoaderConfig, demo
+from models.llava import ImageProcessor, LlavaData, LoaderConfig
 
 IMAGE_TOKENS = 16  # the tiny ViT: 16 x 16 images, 4 x 4 patches
-
-
-@pytest.fixture(scope="session")
-def llava_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("llava")
-    return demo.make(str(out), train=96, heldout=16, long_captions=True)
-
-
-@pytest.fixture(scope="session")
-def tok(llava_dir):
-    return HFTokenizer(llava_dir["tokenizer"])
 
 
 def make_data(paths, tok, sources=None, **overrides) -> LlavaData:

@@ -9,7 +9,7 @@ import os
 import pytest
 
 from models.llava import REASONS, BadSample, HFTokenizer, Loader, summary_counts
-from tests.models.llava_fixtures import llava_dir, make_data, tok  # noqa: F401
+from tests.models.llava_fixtures import make_data
 
 GOOD = {
     "id": "ok",
@@ -47,7 +47,7 @@ RECORD_REASONS = (
 
 
 @pytest.mark.parametrize("reason", RECORD_REASONS)
-def test_each_bad_record_is_one_line_naming_file_record_and_id(reason, llava_dir, tok, tmp_path):  # noqa: F811
+def test_each_bad_record_is_one_line_naming_file_record_and_id(reason, llava_dir, tok, tmp_path):
     record = dict(_bad_records(llava_dir["images"]))[reason]
     path = tmp_path / "d.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in (GOOD, GOOD, record)))
@@ -59,7 +59,7 @@ def test_each_bad_record_is_one_line_naming_file_record_and_id(reason, llava_dir
     assert f"{path} record 2 (id {record['id']})" in msg, msg
 
 
-def test_malformed_json_names_file_record_and_line(llava_dir, tok, tmp_path):  # noqa: F811
+def test_malformed_json_names_file_record_and_line(llava_dir, tok, tmp_path):
     listed = tmp_path / "d.json"
     listed.write_text(json.dumps([GOOD, GOOD], indent=1)[:-2] + ',\n {"id": oops}\n]')
     with pytest.raises(BadSample, match=rf"^{listed} record 2 \(line \d+\): Expecting value"):
@@ -78,7 +78,7 @@ def test_tokenizer_that_does_not_load(tmp_path):
     assert "\n" not in str(e.value)
 
 
-def test_skip_bad_samples_counts_every_reason(llava_dir, tok, tmp_path):  # noqa: F811
+def test_skip_bad_samples_counts_every_reason(llava_dir, tok, tmp_path):
     bad = _bad_records(llava_dir["images"])
     path = tmp_path / "d.jsonl"
     good = json.load(open(llava_dir["train"]))[:20]

@@ -12,7 +12,7 @@ from models.config import get_preset
 from models.llava import Loader
 from models.llava import run as llava_run
 from models.llava.rows import packed_images
-from tests.models.llava_fixtures import IMAGE_TOKENS, llava_dir  # noqa: F401
+from tests.models.llava_fixtures import IMAGE_TOKENS
 
 SEQ_LEN, BATCH, MICROBATCHES = 192, 8, 2
 ROWS = BATCH // MICROBATCHES  # rows per microbatch
@@ -49,7 +49,7 @@ def test_packed_images_counts_the_rows_of_full_steps():
     assert packed_images([(3, 1), (9, 2)], num_rows=2, capacity=10) == [1, 2]
 
 
-def test_unpacked_default_is_the_most_images_of_a_record(llava_dir):  # noqa: F811
+def test_unpacked_default_is_the_most_images_of_a_record(llava_dir):
     data = _build(llava_dir)
     assert data.max_images == 2  # the demo set's two-image records
     assert data.config.images_per_row == 2
@@ -59,7 +59,7 @@ def test_unpacked_default_is_the_most_images_of_a_record(llava_dir):  # noqa: F8
     )
 
 
-def test_packed_default_lets_rows_hold_several_image_samples(llava_dir):  # noqa: F811
+def test_packed_default_lets_rows_hold_several_image_samples(llava_dir):
     derived = _build(llava_dir, pack=True)
     one = _build(llava_dir, pack=True, max_images_per_microbatch=ROWS)  # the flag wins
     slots = derived.config.images_per_row
@@ -78,7 +78,7 @@ def test_packed_default_lets_rows_hold_several_image_samples(llava_dir):  # noqa
     assert pad < pad_one / 2, (pad, pad_one)
 
 
-def test_packed_default_is_the_quantile_of_the_loaders_own_rows(llava_dir):  # noqa: F811
+def test_packed_default_is_the_quantile_of_the_loaders_own_rows(llava_dir):
     """The derivation against the loader itself: with as many slots as fit a row, the
     steps the first records fill (every record here: 96 < PACKED_RECORDS) put images in
     rows; the default is their 90th percentile, at least a record's most."""
@@ -105,12 +105,12 @@ def test_packed_default_is_the_quantile_of_the_loaders_own_rows(llava_dir):  # n
 
 
 @pytest.mark.parametrize("pack", [False, True])
-def test_a_budget_that_does_not_split_over_rows_still_stops(pack, llava_dir):  # noqa: F811
+def test_a_budget_that_does_not_split_over_rows_still_stops(pack, llava_dir):
     with pytest.raises(ValueError, match="use max_images_per_microbatch=8"):
         _build(llava_dir, pack=pack, max_images_per_microbatch=ROWS + 1)
 
 
-def test_packed_default_without_a_loadable_record_is_a_records_most(llava_dir):  # noqa: F811
+def test_packed_default_without_a_loadable_record_is_a_records_most(llava_dir):
     data = _build(llava_dir)
     slots, source = llava_run.packed_slots(data, records=0)
     assert slots == data.max_images == 2

@@ -12,7 +12,7 @@ from PIL import Image
 from models.llava import BadSample, ImageProcessor, Loader, render
 from models.llava.images import CLIP_MEAN, CLIP_STD
 from models.llava.rows import Packer
-from tests.models.llava_fixtures import IMAGE_TOKENS, llava_dir, make_data, tok  # noqa: F401
+from tests.models.llava_fixtures import IMAGE_TOKENS, make_data
 
 TWO_TURNS = [
     {"from": "human", "value": "<image>\nWhat color is the shape?"},
@@ -22,7 +22,7 @@ TWO_TURNS = [
 ]
 
 
-def _supervised_text(tok, ids, sup):  # noqa: F811
+def _supervised_text(tok, ids, sup):
     return tok.tok.decode([int(i) for i, s in zip(ids, sup, strict=True) if s], False)
 
 
@@ -33,7 +33,7 @@ def _supervised_text(tok, ids, sup):  # noqa: F811
         ("plain", "green\na square\n"),
     ],
 )
-def test_templates_supervise_assistant_turns_only(template, supervised, tok):  # noqa: F811
+def test_templates_supervise_assistant_turns_only(template, supervised, tok):
     ids, sup = render(TWO_TURNS, tok, template, image_tokens=IMAGE_TOKENS, placeholder=3)
     assert _supervised_text(tok, ids, sup).replace(" \n", "\n") == supervised
     assert ids[0] == tok.bos_id and sup[0] == 0
@@ -44,7 +44,7 @@ def test_templates_supervise_assistant_turns_only(template, supervised, tok):  #
         assert "USER:" in text and "ASSISTANT:" in text and "And which shape" in text
 
 
-def test_llama3_template_marks_turns(tok):  # noqa: F811
+def test_llama3_template_marks_turns(tok):
     ids, sup = render(TWO_TURNS, tok, "llama3", image_tokens=2, placeholder=3)
     got = _supervised_text(tok, ids, sup)
     assert got.startswith("green") and "a square" in got and "shape?" not in got
@@ -69,7 +69,7 @@ def test_clip_preprocessing_resize_crop_normalise(tmp_path):
     np.testing.assert_allclose(y[8, 0], (np.array([1, 0, 0]) - mean) / std, rtol=1e-5)
 
 
-def test_mixture_weights_and_seeded_order(llava_dir, tok, tmp_path):  # noqa: F811
+def test_mixture_weights_and_seeded_order(llava_dir, tok, tmp_path):
     small = tmp_path / "b.jsonl"
     records = json.load(open(llava_dir["train"]))[:10]
     small.write_text("\n".join(json.dumps(r) for r in records))
@@ -92,7 +92,7 @@ def _take(loader, n):
 
 
 @pytest.mark.parametrize("pack", [False, True])
-def test_resumed_loader_continues_exactly(pack, llava_dir, tok):  # noqa: F811
+def test_resumed_loader_continues_exactly(pack, llava_dir, tok):
     data = make_data(llava_dir, tok, pack=pack, seq_len=192)
     first = _take(Loader(data), 3)
     resumed = _take(Loader(data, state=first[0].state), 2)
@@ -103,7 +103,7 @@ def test_resumed_loader_continues_exactly(pack, llava_dir, tok):  # noqa: F811
         assert a.state == b.state
 
 
-def test_rows_images_and_truncation(llava_dir, tok):  # noqa: F811
+def test_rows_images_and_truncation(llava_dir, tok):
     b = _take(Loader(make_data(llava_dir, tok, seq_len=50, global_batch=32)), 1)[0]
     tokens, images = b.arrays["tokens"], b.arrays["images"]
     assert tokens.shape == (32, 50) and images.shape == (32, 2, 16, 16, 3)
@@ -116,7 +116,7 @@ def test_rows_images_and_truncation(llava_dir, tok):  # noqa: F811
     assert b.state["bad"].get("image_truncated", 0) > 0
 
 
-def test_packing_keeps_every_supervised_token_and_cuts_padding(llava_dir, tok):  # noqa: F811
+def test_packing_keeps_every_supervised_token_and_cuts_padding(llava_dir, tok):
     plain, packed = (
         _take(Loader(make_data(llava_dir, tok, pack=p, seq_len=192, images_per_row=4)), 1)[0]
         for p in (False, True)
@@ -143,7 +143,7 @@ def test_packer_first_fit_respects_tokens_and_image_slots():
     np.testing.assert_array_equal(arrays["segment_ids"][0], [1] * 6 + [2] * 3)
 
 
-def test_balancing_evens_tokens_over_dp_ranks(llava_dir, tok):  # noqa: F811
+def test_balancing_evens_tokens_over_dp_ranks(llava_dir, tok):
     kw = dict(seq_len=192, global_batch=32, bins=(2, 4, 2))
     off, on = (
         _take(Loader(make_data(llava_dir, tok, balance=b, **kw)), 1)[0] for b in (False, True)
@@ -159,7 +159,7 @@ def _has_image(images):
 
 
 @pytest.mark.parametrize("pack", [False, True])
-def test_image_rows_decode_only_those_rows(pack, llava_dir, tok):  # noqa: F811
+def test_image_rows_decode_only_those_rows(pack, llava_dir, tok):
     """A multi-process run's loader (``image_rows``): the same batches as decoding every
     image, but pixels only in the given rows, balanced order and packing included."""
     kw = dict(pack=pack, seq_len=192, global_batch=16, balance=True, bins=(2, 4, 2))
@@ -182,7 +182,7 @@ def test_image_rows_decode_only_those_rows(pack, llava_dir, tok):  # noqa: F811
             assert same == {k: v for k, v in want.metrics.items() if k != "images_decoded"}
 
 
-def test_image_rows_check_headers_alike_and_stop_on_local_pixels(llava_dir, tok, tmp_path):  # noqa: F811
+def test_image_rows_check_headers_alike_and_stop_on_local_pixels(llava_dir, tok, tmp_path):
     """A file that is no image is skipped by every process alike (its header is read
     either way); one whose header reads but whose pixels do not decode can no longer be
     skipped alike, so the process that decodes it stops with one line."""

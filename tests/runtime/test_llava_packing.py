@@ -16,7 +16,7 @@ import pytest
 from models.config import get_preset
 from models.llava.rows import Packer
 from models.mllm import MLLM
-from tests.models.llava_fixtures import llava_dir, make_data, tok  # noqa: F401
+from tests.models.llava_fixtures import make_data
 from tests.runtime.parity import case, check_matches_reference, reference_run
 
 STEPS = 2
@@ -25,7 +25,7 @@ SLOTS = 4  # image slots per row
 SEQ_LEN = 128  # two image samples fit a row
 
 
-def packed_and_single(data, tok, steps: int, rows: int) -> list[tuple[dict, dict]]:  # noqa: F811
+def packed_and_single(data, tok, steps: int, rows: int) -> list[tuple[dict, dict]]:
     """Per step: ``rows`` packed rows of consecutive samples (first fit), and the same
     samples one per row."""
     c, counts, pending = data.config, [0], None
@@ -48,13 +48,13 @@ def packed_and_single(data, tok, steps: int, rows: int) -> list[tuple[dict, dict
 
 
 @pytest.fixture(scope="module")
-def batches(llava_dir, tok):  # noqa: F811
+def batches(llava_dir, tok):
     data = make_data(llava_dir, tok, images_per_row=SLOTS, seq_len=SEQ_LEN)
     return packed_and_single(data, tok, STEPS, ROWS)
 
 
 @pytest.fixture(scope="module")
-def model_config(tok):  # noqa: F811
+def model_config(tok):
     return dataclasses.replace(get_preset("tiny"), image_token_id=tok.image_id)
 
 
@@ -68,7 +68,7 @@ def test_packed_loss_equals_the_samples_unpacked(
     batches,
     model_config,
     packed_reference,
-    tok,  # noqa: F811
+    tok,
 ):
     packed0, single0 = batches[0]
     # The step really packs: fewer rows than samples, images in later segments too.

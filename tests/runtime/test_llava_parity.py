@@ -13,14 +13,14 @@ import pytest
 from models.config import get_preset
 from models.llava import Loader
 from models.mllm import MLLM
-from tests.models.llava_fixtures import llava_dir, make_data, tok  # noqa: F401
+from tests.models.llava_fixtures import make_data
 from tests.runtime.parity import case, check_matches_reference, reference_run
 
 STEPS = 2
 
 
 @pytest.fixture(scope="module")
-def llava_reference(llava_dir, tok):  # noqa: F811
+def llava_reference(llava_dir, tok):
     loader = Loader(make_data(llava_dir, tok, global_batch=16, seed=3))
     batches = [loader.next().arrays for _ in range(STEPS)]
     loader.close()
