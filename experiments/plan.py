@@ -196,27 +196,20 @@ def auto_plans(
     return list(result.ranked)
 
 
-def plan_layouts(plan) -> tuple[str, dict[str, str], dict[str, int] | None, int]:
-    """A planner :class:`~hetjax.plan.Plan` as executor settings: mode, layout texts per
-    module, islands (non-colocated) and microbatches."""
-    v, l = plan.vision.layout, plan.llm.layout
-    islands = {"vision": v.num_devices, "llm": l.num_devices}
-    islands = islands if plan.mode == "non-colocated" else None
-    return plan.mode, {"vision": str(v), "llm": str(l)}, islands, plan.microbatches
+def layout_choices(ests: list) -> list:
+    """The planner's estimates as :class:`hetjax.train.LayoutChoice` s, in their order:
+    layouts as objects, islands (non-colocated) and microbatches (what
+    :class:`hetjax.train.Trainer` takes, trying them in order)."""
+    from hetjax.train import LayoutChoice
 
-
-def first_accepted(ests: list, accept):
-    """The first estimate whose plan ``accept(mode, layouts, islands, microbatches)`` takes
-    without a ValueError (e.g. a TP degree the encoder's heads do not divide), and what
-    ``accept`` returned."""
+    out = []
     for est in ests:
-        try:
-            return est, accept(*plan_layouts(est.plan))
-        except ValueError:
-            continue
-    raise ValueError(
-        f"--layout auto: none of the planner's {len(ests)} plans runs here; give --layout"
-    )
+        plan = est.plan
+        v, l = plan.vision.layout, plan.llm.layout
+        islands = {"vision": v.num_devices, "llm": l.num_devices}
+        islands = islands if plan.mode == "non-colocated" else None
+        out.append(LayoutChoice({"vision": v, "llm": l}, plan.mode, islands, plan.microbatches))
+    return out
 
 
 def one_line(main_fn, parse_fn):

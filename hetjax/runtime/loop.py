@@ -30,6 +30,7 @@ def run_training(
     start: int = 0,
     flop_metrics: Callable[[float, float], Mapping[str, float]] | None = None,
     data_metrics: Callable[[int], Mapping[str, float]] | None = None,
+    stop: Callable[[], bool] | None = None,
 ) -> list[dict[str, float]]:
     """Runs ``step_fn(start) ... step_fn(steps - 1)``; returns the per-step metrics.
 
@@ -53,6 +54,9 @@ def run_training(
             :func:`hetjax.runtime.flops.throughput_metrics`).
         data_metrics: ``step -> metrics of its batch`` added to each step's (the data
             pipeline's ``padding_fraction``, ``token_imbalance``, ...).
+        stop: asked after each dispatch; ``True`` ends the run after that step (its
+            metrics are still reported and the hooks' ``on_end`` called): a preempted
+            run that saved its state.
     """
     history: list[dict[str, float]] = []
     pending: tuple[int, Mapping[str, Any]] | None = None
@@ -86,8 +90,13 @@ def run_training(
             hook.on_step(done, metrics)
 
     try:
-        for step in range(start, steps + 1):
+        step = start
+        while step <= steps:
+            if pending is not None:  # a step done before this dispatch began is billed up
+                seen([pending], time.perf_counter())  # to here, not to the dispatch's end
             current = (step, step_fn(step)) if step < steps else None
+            if current is not None and stop is not None and stop():
+                steps = step + 1  # this step is the last
             seen([item for item in (pending, current) if item is not None], time.perf_counter())
             if pending is not None:
                 done, pending = pending, None
@@ -99,6 +108,7 @@ def run_training(
                     report(*current)
                 else:
                     pending = current
+            step += 1
     except BaseException as error:  # a failed step, a non-finite stop, Ctrl-C
         if pending is not None and not isinstance(error, KeyboardInterrupt):
             try:  # the step dispatched before the failing one may well have finished

@@ -1,0 +1,226 @@
+"""The LLaVA MLLM as a :class:`hetjax.train.Trainer` model and batch source.
+
+:class:`LlavaTask` is what the trainer's protocols ask for (module names, layout checks,
+the training graph, parameters, FLOPs for MFU, checkpoint metadata) over a
+:class:`models.mllm.MLLM` built from a run's ``model`` and ``data`` settings: a preset,
+a Hugging Face LLaVA directory (``model.init_from``) or a preset with Hugging Face parts
+(``model.init``), and synthetic data or LLaVA record files (``data.sources``).
+:class:`LlavaBatches` hands the trainer one global batch per step, from the loader
+position a resumed checkpoint stored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from hetjax.config import TrainConfig
+from hetjax.meshes import Layout
+from hetjax.runtime import flops as flops_lib
+from hetjax.runtime.graph import TrainGraph
+from models.config import MLLMConfig, config_to_dict, get_preset
+from models.data import DataConfig, SyntheticLlava
+from models.mllm import MLLM
+
+
+class LlavaTask:
+    """The model of a run (:class:`~hetjax.train.protocols.TrainableModel`).
+
+    Args:
+        config: the run's settings (``model``, ``data``, ``seed``, ``parallel``).
+
+    Raises:
+        ValueError: one line: an unknown preset, a tokenizer or record file that does not
+            fit the model (the validation pass over every record file runs here).
+    """
+
+    def __init__(self, config: TrainConfig):
+        self.run_config = config
+        preset = model_config(config.model)
+        self.seq_len = config.model.seq_len or preset.seq_len
+        images_per_row = 1
+        if config.data.sources:
+            from models.llava import run as llava_run
+
+            self.dataset, preset = llava_run.build(
+                config.data,
+                preset,
+                seq_len=self.seq_len,
+                seed=config.seed,
+                microbatches=config.parallel.microbatches,
+            )
+            images_per_row = self.dataset.config.images_per_row
+        else:
+            data = DataConfig.for_model(preset, seq_len=self.seq_len, seed=config.seed)
+            self.dataset = SyntheticLlava(data)
+        dtype = jnp.bfloat16 if config.model.dtype == "bfloat16" else jnp.float32
+        # Packed rows (several samples each) attend within their samples only.
+        self.mllm = MLLM(
+            preset, dtype=dtype, images_per_row=images_per_row, packed=config.data.pack
+        )
+        self.config: MLLMConfig = preset
+
+    # -- the protocol ---------------------------------------------------------------------
+
+    @property
+    def module_names(self) -> list[str]:
+        return self.mllm.module_names
+
+    def validate_layouts(self, layouts: Mapping[str, Layout]) -> None:
+        self.mllm.validate_layouts(layouts, seq_len=self.seq_len)
+
+    def train_graph(
+        self, layouts: Mapping[str, Layout], *, freeze: Collection[str] = ()
+    ) -> TrainGraph:
+        return self.mllm.train_graph(layouts, freeze=freeze)
+
+    def init(self, key: jax.Array) -> Any:
+        return self.mllm.init(key)
+
+    def initial_params(self, key: jax.Array, *, lead: bool) -> Any:
+        """Fresh parameters, or lazily read Hugging Face weights (each process then reads
+        only what its devices hold when the trainer places them); process 0 (``lead``)
+        prints what was read."""
+        m = self.run_config.model
+        if not (m.init_from or m.init):
+            return self.mllm.init(key)
+        from models import hf
+
+        if m.init_from:
+            params, report = hf.read_llava(self.mllm, m.init_from, lazy=True)
+        else:
+            params, report = hf.read_parts(self.mllm, m.init, key=key, lazy=True)
+        if lead:
+            for line in report.lines():
+                print(line, flush=True)
+        return params
+
+    def loss_sum(self, params: Any, batch: dict[str, jax.Array]) -> jax.Array:
+        return self.mllm.loss_sum(params, batch)
+
+    def logical_axes(self, frozen: Collection[str]) -> dict[str, Any]:
+        return {n: m.logical_axes() for n, m in self.mllm.modules.items() if n not in frozen}
+
+    def num_params(self) -> dict[str, int]:
+        return self.mllm.num_params()
+
+    def describe(self) -> str:
+        counts = self.mllm.num_params()
+        params = ", ".join(f"{k} {v:,}" for k, v in counts.items())
+        return f"{self.config.name}: {sum(counts.values()):,} params ({params})"
+
+    def summary(self) -> dict[str, Any]:
+        """The image budget and where it came from (flag or data), for LLaVA files."""
+        return {"image slots": self.dataset.image_budget} if self.run_config.data.sources else {}
+
+    def metadata(self) -> dict[str, Any]:
+        return {
+            "preset": self.config.name,
+            "params": self.mllm.num_params(),
+            "config": config_to_dict(self.config),  # what experiments.export rebuilds
+        }
+
+    def flop_metrics(self, trainer: Any):
+        """``(supervised tokens, step time) -> FLOP metrics`` of the run
+        (:func:`hetjax.runtime.flops.throughput_metrics`): model FLOPs from the model's
+        forward FLOPs per part by the 3x / 2x / 1x rule; hardware FLOPs count what the
+        kernels compute (full causal attention, the head over every token) and the
+        executor's backward recompute (the reference trainer recomputes nothing); MFU
+        with the peak of ``parallel.peak_tflops`` or the device table."""
+        devices, plan, graph = trainer.devices, trainer.plan, trainer.graph
+        peak = self.run_config.parallel.peak_tflops or flops_lib.peak_tflops(devices[0].device_kind)
+        n = len(devices)
+        if plan is None:
+            module_devices = {m.name: n for m in graph.modules}
+        else:
+            module_devices = {name: len(pos) for name, pos in plan.positions.items()}
+        cfg, batch = self.config, self.run_config.data.global_batch
+
+        def metrics(supervised: float, step_time_s: float) -> dict[str, float]:
+            sizes = (batch, self.seq_len, int(supervised))
+            per = {"images_per_sample": self.mllm.images_per_row}  # image slots run
+            model = flops_lib.model_flops(graph, cfg.forward_flops(*sizes, **per))
+            executed = cfg.forward_flops(*sizes, executed=True, **per)
+            if plan is None:  # the reference trainer recomputes nothing
+                hardware = flops_lib.model_flops(graph, executed)
+            else:
+                attention = cfg.attention_flops(*sizes[:2], executed=True)
+                hardware = flops_lib.hardware_flops(graph, executed, attention)
+            return flops_lib.throughput_metrics(
+                model,
+                hardware,
+                step_time_s,
+                num_devices=n,
+                module_devices=module_devices,
+                peak=peak,
+            )
+
+        return metrics
+
+
+class LlavaBatches:
+    """The run's batches (:class:`~hetjax.train.protocols.BatchSource`): LLaVA record
+    files from a resumed loader position, or synthetic (a function of seed and step). In
+    a multi-process run each process decodes only the images its devices are fed."""
+
+    def __init__(self, task: LlavaTask):
+        self.task = task
+        self.stream: Any = None
+
+    def start(self, trainer: Any, state: Mapping[str, Any] | None) -> None:
+        from hetjax.runtime.feed import local_rows
+        from models.llava import run as llava_run
+
+        cfg = self.task.run_config
+        if not cfg.data.sources:
+            self.stream = llava_run.SyntheticStream(
+                self.task.dataset, cfg.data.global_batch, cfg.seed
+            )
+            return
+        saved = state["state"] if state and state.get("kind") == "llava" else None
+        if trainer.plan is None:  # the reference trainer: data parallel over every device
+            dp = {"llm": len(trainer.devices)}
+        else:
+            dp = {m.name: m.layout.dp * m.layout.ep for m in trainer.graph.modules}
+        microbatches = trainer.microbatches
+        bins = (microbatches, dp.get("vision", dp["llm"]), dp["llm"])
+        image_rows = None  # one process, or the reference trainer: every image
+        shape = self.task.dataset.images_shape
+        if jax.process_count() > 1 and trainer.plan is not None and shape is not None:
+            programs = trainer.engine.programs.values()
+            image_rows = local_rows(programs, microbatches, {"images": shape})["images"]
+        self.stream = llava_run.DataStream(self.task.dataset, bins, saved, image_rows=image_rows)
+
+    def batch(self, step: int) -> dict[str, Any]:
+        return self.stream.batch(step)  # a bad record: models.llava.BadSample (a ValueError)
+
+    def step_metrics(self, step: int) -> dict[str, float]:
+        return self.stream.step_metrics(step)
+
+    def checkpoint(self) -> dict[str, Any]:
+        return self.stream.checkpoint()
+
+    def summary(self) -> str:
+        return self.stream.summary() if self.stream else "-"
+
+    def close(self) -> None:
+        if self.stream is not None:
+            self.stream.close()
+
+
+def model_config(m: Any) -> MLLMConfig:
+    """The model of ``model`` settings: a preset, a Hugging Face LLaVA's config.json, or
+    a preset with parts from Hugging Face checkpoints (reads configs only, no weights)."""
+    if m.init_from:
+        from models import hf
+
+        return hf.llava_config_of(m.init_from)
+    preset = get_preset(m.preset)
+    if m.init:
+        from models import hf
+
+        return hf.parts_config(m.init, preset)
+    return preset
