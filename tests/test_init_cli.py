@@ -19,7 +19,7 @@ from safetensors.numpy import load_file, save_file
 from models import hf
 from models.config import get_preset
 from models.mllm import MLLM
-from tests._cli import check_ok, finish, rows, start
+from tests.launch import check_ok, rows, start_train, wait
 
 STEPS = ["--steps", "3", "--global-batch", "16", "--seq-len", "64"]
 PARALLEL = [
@@ -76,7 +76,7 @@ def runs(tmp_path_factory):
     out = {}
     for name, a in args.items():  # one after the other: 2 cores
         path = tmp / f"{name}.jsonl"
-        out[name] = (finish({name: start([*a, *STEPS, "--metrics", str(path)])})[name], rows(path))
+        out[name] = (wait(start_train([*a, *STEPS, "--metrics", str(path)]), name), rows(path))
     return out, params
 
 

@@ -12,10 +12,10 @@ import re
 
 import pytest
 
-from tests._cli import ROOT
-from tests._cli import check_ok as _check_ok
-from tests._cli import finish as _finish
-from tests._cli import start as _start
+from tests.launch import ROOT
+from tests.launch import check_ok as _check_ok
+from tests.launch import finish as _finish
+from tests.launch import start_train as _start
 
 METRIC_KEYS = {
     "step",
@@ -85,7 +85,7 @@ def test_tiny_run_writes_metrics_and_summary(runs):
     assert "hetjax run summary" in stdout
     assert "tiny" in stdout and "2 x cpu" in stdout
     # No --seq-len: the summary says the length is the model's own.
-    assert "8 samples x 64 tokens (the model's; --seq-len sets it)" in stdout
+    assert "8 samples x 64 tokens (the model's; model.seq_len sets it)" in stdout
     assert "loss (first -> last)" in stdout and "throughput" in stdout
     # FLOPs always; no MFU on CPU without a peak (the table knows accelerators only).
     assert all(FLOP_KEYS <= row.keys() and "mfu" not in row for row in rows["tiny_a"])

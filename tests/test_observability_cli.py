@@ -13,9 +13,9 @@ import struct
 
 import pytest
 
-from tests._cli import check_ok as _check_ok
-from tests._cli import finish as _finish
-from tests._cli import start as _start
+from tests.launch import check_ok as _check_ok
+from tests.launch import finish as _finish
+from tests.launch import start_train as _start
 
 STEPS = 5
 ARGS = ["--steps", str(STEPS), "--devices", "2", "--global-batch", "8"]

@@ -34,9 +34,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests._cli import finish as _finish
-from tests._cli import rows as _rows
-from tests._cli import start as _start
+from tests.launch import check_ok as _check_ok
+from tests.launch import finish as _finish
+from tests.launch import rows as _rows
+from tests.launch import start_train as _start
 
 STEPS = 8
 RUN = ["--steps", str(STEPS), "--global-batch", "16", "--microbatches", "2"]
@@ -125,11 +126,6 @@ def _error_line(result) -> str:
     assert len(errors) == 1, result.stderr[-3000:]
     assert result.stderr.splitlines()[-1] == errors[0], result.stderr[-3000:]
     return errors[0]
-
-
-def _check_ok(result):
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "Traceback" not in result.stderr
 
 
 def _resumed_from(result, directory: Path) -> int:

@@ -27,7 +27,7 @@ from hetjax.meshes import place_modules
 from hetjax.schedules import ScheduleError
 from models.config import get_preset
 from models.mllm import MLLM
-from tests._cli import finish, start
+from tests.launch import finish, start_train
 
 USER_ERRORS = (LayoutError, BoundaryError, ScheduleError, InvalidConfigError)
 
@@ -326,7 +326,7 @@ CLI_CASES = {
 def cli_runs():
     """All CLI error cases, started together (independent processes), then awaited."""
     procs = {
-        name: start(["--steps", "2", *flags], {"JAX_LOG_COMPILES": "1"} if early else None)
+        name: start_train(["--steps", "2", *flags], {"JAX_LOG_COMPILES": "1"} if early else None)
         for name, (flags, _, early) in CLI_CASES.items()
     }
     return {name: (r.returncode, r.stdout, r.stderr) for name, r in finish(procs).items()}
