@@ -24,6 +24,8 @@ import typing
 from collections.abc import Mapping
 from typing import Any, Literal
 
+from hetjax.recompute import Recompute
+
 
 class InvalidConfigError(ValueError):
     """A configuration value or file is invalid; the one-line message names the field."""
@@ -124,7 +126,7 @@ class ParallelConfig:
     offload_encoder: bool = doc(
         False, "colocated: encoder params/optimizer state in host memory in the LLM phase"
     )
-    recompute: dict[str, str] = doc(
+    recompute: dict[str, Recompute] = doc(
         {},
         "module -> activation policy: none (keep the backward's residuals), selective "
         "(keep matmul outputs, recompute the rest) or full (replay the forward); key '*': "
@@ -244,10 +246,6 @@ _RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "parallel.peak_tflops": (lambda v: v > 0, "a positive number"),
     "parallel.islands": (lambda v: all(n >= 1 for n in v.values()), "positive device counts"),
     "parallel.layouts": (lambda v: all(k and t for k, t in v.items()), "non-empty texts"),
-    "parallel.recompute": (
-        lambda v: all(t in ("none", "selective", "full") for t in v.values()),
-        "policies none, selective or full per module",
-    ),
     "optimizer.lr": (lambda v: v > 0, "a positive number"),
     "optimizer.warmup_steps": (lambda v: v >= 0, "an integer >= 0"),
     "distributed.num_processes": (lambda v: v >= 1, "a positive integer"),

@@ -11,18 +11,21 @@ the two norm inputs and the two matmul inputs (4 D), queries, keys, values and t
 attention output (2 Q + 2 KV), and the MLP's hidden activations (gate, up, product for
 SwiGLU: 3 F; up and GELU for a plain MLP: 2 F). A GPT block (Q = KV = D, F = 4 D) gets
 32 D, close to the paper's 34 D. Full recompute keeps each layer's input (D) and one
-layer's activations for its backward.
+layer's activations for its backward. Selective recompute keeps what hetjax's engine
+saves under it (:mod:`hetjax.recompute`): the weight matmuls' outputs - queries, keys and
+values (Q + 2 KV), the MLP's up and gate projections ((mats - 1) F; none in an MoE layer,
+whose expert matmuls batch over experts and are recomputed) and the two output
+projections (2 D) - and rebuilds one layer's other activations at a time in its backward.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+
+from hetjax.recompute import Recompute
 
 from .parts import ModuleShape
 
-Recompute = Literal["none", "full"]
-RECOMPUTE: tuple[str, ...] = ("none", "full")
 BF16, FP32 = 2, 4
 WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = BF16, FP32, 3 * FP32
 
@@ -51,6 +54,16 @@ def activation_bytes_per_token(shape: ModuleShape, tp: int = 1, *, sp: bool = Tr
     return BF16 * ((4 * s.width + split) / tp if sp else 4 * s.width + split / tp)
 
 
+def selective_bytes_per_token(shape: ModuleShape, tp: int = 1, *, sp: bool = True) -> float:
+    """BF16 bytes one token keeps in one layer on one of ``tp`` ranks under ``selective``
+    recompute (see the module doc): the column-parallel matmuls' outputs are split over
+    TP, the two output projections only with sequence parallelism (``sp``)."""
+    s = shape
+    mlp = (s.mlp_mats - 1) * s.mlp if s.experts <= 1 else 0
+    split = s.q_width + 2 * s.kv_width + mlp
+    return BF16 * (split / tp + 2 * s.width / (tp if sp else 1))
+
+
 def stage_memory(
     shape: ModuleShape,
     *,
@@ -76,7 +89,7 @@ def stage_memory(
             schedule's ``max_live``).
         tp: Tensor-parallel degree.
         shard: Ranks the ZeRO-1 optimizer shard spans (1: no ZeRO-1).
-        recompute: ``"none"`` or ``"full"`` (activation checkpointing of every block).
+        recompute: The activation policy (``"full"``: checkpointing of every block).
         sp: Sequence parallelism (saved activations split over TP).
         logits_vocab: Vocabulary of the LM head on this stage (0: no head).
 
@@ -88,6 +101,9 @@ def stage_memory(
     if recompute == "full":
         kept = tokens_per_microbatch * shape.width * BF16 / (tp if sp else 1)  # block inputs
         acts = live_microbatches * layers * kept + per_layer
+    elif recompute == "selective":
+        kept = tokens_per_microbatch * selective_bytes_per_token(shape, tp, sp=sp)
+        acts = live_microbatches * layers * kept + per_layer - kept  # one layer rebuilt
     else:
         acts = live_microbatches * layers * per_layer
     logits = 2 * tokens_per_microbatch * logits_vocab / tp * FP32

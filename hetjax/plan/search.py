@@ -25,10 +25,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from hetjax.meshes.layout import Layout
+from hetjax.recompute import RECOMPUTE_POLICIES
 
 from .cost import Estimate, Plan, Workload, assemble, check_plan, llm_stages, vision_stages
 from .hardware import HardwareProfile, get_profile
-from .memory import RECOMPUTE
 from .stage import ModulePlan
 
 MICROBATCH_SIZES = (1, 2, 4)  # samples per data lane per microbatch
@@ -97,7 +97,7 @@ def vision_layouts(cfg: Any, n: int, hw: HardwareProfile, *, pipelined: bool) ->
 
 # The ModulePlan options tried per module by default: recompute x ZeRO-1.
 SAVERS: tuple[dict, ...] = tuple(
-    dict(recompute=r, zero1=z) for r in RECOMPUTE for z in (False, True)
+    dict(recompute=r, zero1=z) for r in RECOMPUTE_POLICIES for z in (False, True)
 )
 
 

@@ -6,8 +6,11 @@ leaves), plus its exposed collectives: TP (two all-gathers and two reduce-scatte
 block with sequence parallelism, two all-reduces without; the backward as many), the CP
 ring (``cp - 1`` key/value passes per block, hidden behind attention where attention is
 longer), MoE all-to-alls (dispatch and combine). Backward is twice the forward's compute
-(three times with full recompute, which also repeats the forward's collectives); its TP
-collectives are one per column-parallel input gradient. The DP
+plus what the activation policy (:mod:`hetjax.recompute`) replays: ``full`` the whole
+forward with its collectives; ``selective`` the attention core (QK^T and PV, with the CP
+ring that feeds it) and an MoE layer's experts (with their all-to-alls), since those
+matmuls batch over heads or experts and the engine saves only weight matmuls' outputs;
+``none`` nothing. Its TP collectives are one per column-parallel input gradient. The DP
 gradient reduction (ZeRO-1: reduce-scatter of gradients, all-gather of parameters) runs
 once per step and overlaps only the last microbatch's backward, as Megatron's bucketed
 overlap does.
@@ -23,10 +26,11 @@ import dataclasses
 from collections import defaultdict
 
 from hetjax.meshes.layout import Layout
+from hetjax.recompute import DEFAULT_RECOMPUTE, Recompute
 
 from .comm import collective_time, crosses_nodes
 from .hardware import HardwareProfile
-from .memory import BF16, FP32, OPTIMIZER_BYTES, Recompute, StageMemory, stage_memory
+from .memory import BF16, FP32, OPTIMIZER_BYTES, StageMemory, stage_memory
 from .parts import ModuleShape
 
 
@@ -35,13 +39,13 @@ class ModulePlan:
     """How one module trains: its degrees and its memory savers."""
 
     layout: Layout  # dp, tp, cp, pp, ep
-    recompute: Recompute = "none"  # "full": every block's activations recomputed in backward
+    recompute: Recompute = DEFAULT_RECOMPUTE  # what the backward replays (hetjax.recompute)
     zero1: bool = False  # optimizer state sharded over the data-parallel (and cp) ranks
     sequence_parallel: bool = True  # with tp > 1: activations between TP regions on sequence
 
     def __str__(self) -> str:
         degrees = [f"{k}={getattr(self.layout, k)}" for k in ("dp", "tp", "cp", "pp", "ep")]
-        on = (("zero1", self.zero1), ("recompute", self.recompute == "full"))
+        on = [("zero1", self.zero1), (f"recompute={self.recompute}", self.recompute != "none")]
         return ",".join([d for d in degrees if not d.endswith("=1")] + [k for k, v in on if v])
 
 
@@ -144,6 +148,11 @@ def module_stages(
         backward = 2 * compute + tp_b + max(0.0, 2 * ring - 2 * attention) + a2a
         if plan.recompute == "full":
             backward += forward
+        elif plan.recompute == "selective":
+            # Two FLOPs per expert weight per token slot (top_k slots of one expert each).
+            per_sample = 2 * shape.tokens * shape.top_k * shape.expert_params / shape.experts
+            expert_s = lane * layers * per_sample / (tp * split) / rate
+            backward += max(ring, attention) + expert_s + a2a
         fwd_comm: dict[str, float] = defaultdict(float)
         bwd_comm: dict[str, float] = defaultdict(float)
         for kind in kinds if tp > 1 else ():
@@ -185,10 +194,13 @@ def module_stages(
         step_comm = {"all-reduce": grads} if group > 1 else {}  # one FP32 all-reduce
         if plan.zero1 and group > 1:
             step_comm["all-gather"] = gather
-        forwards = 2 if plan.recompute == "full" else 1
+        # The forward collectives the backward runs again (see the module doc).
+        replayed = {"none": (), "selective": ("collective-permute", "all-to-all"), "full": fwd_comm}
+        replayed = replayed[plan.recompute]
         comm = defaultdict(float, step_comm)
         for kind in set(fwd_comm) | set(bwd_comm):
-            comm[kind] += microbatches * (forwards * fwd_comm[kind] + bwd_comm[kind])
+            again = fwd_comm[kind] if kind in replayed else 0.0
+            comm[kind] += microbatches * (fwd_comm[kind] + again + bwd_comm[kind])
         shard = group if plan.zero1 else 1
         mem = stage_memory(
             shape,

@@ -16,10 +16,8 @@ upstream runs forward only (no backward, no stash, no gradient sent back); a fro
 stage downstream of trainable parameters computes activation gradients only.
 
 Activation policy (``ModuleSpec.recompute``, or :meth:`TrainGraph.with_recompute` by
-module name): what a trained stage keeps between its forward and its backward.
-``none`` (the default) keeps the residuals of ``jax.vjp`` and replays nothing;
-``selective`` keeps the weight matmuls' outputs and recomputes the rest (element-wise
-ops, attention scores); ``full`` keeps the stage input and replays the whole forward.
+module name): what a trained stage keeps between its forward and its backward, one of
+:data:`hetjax.recompute.Recompute` (``none``, the default; ``selective``; ``full``).
 
 Example:
     >>> graph = TrainGraph(
@@ -38,20 +36,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Literal
 
 from hetjax.meshes import Layout, LayoutError
 from hetjax.modules import StagedModule
-
-Recompute = Literal["none", "selective", "full"]
-RECOMPUTE_POLICIES: tuple[str, ...] = ("none", "selective", "full")
-# The default activation policy. Measured (experiments.bench_engine, README; small
-# preset): `none` runs no forward twice (compiled FLOPs 1.000x the fused reference
-# step's), `selective` 1.012x, `full` 1.20x (every trained stage but the loss stage
-# replays its forward). `none` costs stash memory (XLA attention's L^2 scores are
-# residuals), which 1F1B bounds per stage (P - s microbatches). Megatron also
-# recomputes nothing by default.
-DEFAULT_RECOMPUTE: Recompute = "none"
+from hetjax.recompute import DEFAULT_RECOMPUTE as DEFAULT_RECOMPUTE
+from hetjax.recompute import RECOMPUTE_POLICIES as RECOMPUTE_POLICIES
+from hetjax.recompute import Recompute as Recompute
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,7 +177,7 @@ class TrainGraph:
             ),
         )
 
-    def with_recompute(self, policies: Mapping[str, str]) -> TrainGraph:
+    def with_recompute(self, policies: Mapping[str, Recompute]) -> TrainGraph:
         """This graph with the activation policies ``policies`` (module name -> ``none``,
         ``selective`` or ``full``; the key ``*`` sets every module not named).
 

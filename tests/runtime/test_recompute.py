@@ -115,7 +115,10 @@ def test_recompute_flag_sets_the_config_and_errors_name_it():
 
     cfg = flags.parse_args(["--recompute", "full", "--recompute", "llm:none"], prog="t")
     assert cfg.parallel.recompute == {"*": "full", "llm": "none"}
-    with pytest.raises(flags.ConfigError, match=r"^--recompute llm:some must be policies"):
+    with pytest.raises(
+        flags.ConfigError,
+        match=r"^--recompute llm:some is not .* one of 'none', 'selective', 'full'$",
+    ):
         flags.parse_args(["--recompute", "llm:some"], prog="t")
     graph = MLLM(get_preset("tiny")).train_graph(dict.fromkeys(("vision", "llm"), hetjax.Layout()))
     with pytest.raises(LayoutError) as e:
