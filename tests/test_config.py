@@ -9,18 +9,18 @@ value is one line naming it, that flags override a ``--config`` file and
 from __future__ import annotations
 
 import json
-import pathlib
 import re
 
 import pytest
 
 import hetjax
 import hetjax.config as hc
+import hetjax.train
 from experiments import flags
 from models.config import get_preset
 from models.mllm import MLLM
+from tests.launch import ROOT
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "experiments" / "configs" / "tiny_noncolocated.yaml"
 README = ROOT / "README.md"
 
@@ -321,26 +321,24 @@ def test_default_layouts_plan_on_8_devices(preset, mode):
     so the islands the plan's error suggests are ones that run."""
     model = MLLM(get_preset(preset))
     names = model.module_names
-    texts = flags.default_layouts(names, 8, mode)
+    layouts = hetjax.train.default_layouts(names, 8, mode)
     if mode != "non-colocated":
-        assert texts == {n: ("dp=2,tp=2,pp=2" if n == "llm" else "dp=8") for n in names}
-    layouts = hc.module_layouts(texts, names)
+        want = {n: ("dp=2,tp=2,pp=2" if n == "llm" else "dp=8") for n in names}
+        assert layouts == hc.module_layouts(want, names)
     graph = model.train_graph(layouts)
     islands = {n: l.num_devices for n, l in layouts.items()} if mode == "non-colocated" else None
     plan = hetjax.runtime.plan_run(
         graph, num_devices=8, mode=mode, islands=islands, microbatches=4, global_batch=32
     )
     if mode == "non-colocated":
-        assert sum(islands.values()) <= 8 and texts["llm"] == "dp=1,tp=2,pp=2"
+        assert sum(islands.values()) <= 8 and layouts["llm"] == hetjax.Layout(tp=2, pp=2)
         used = sorted(p for positions in plan.positions.values() for p in positions)
         assert used == sorted(set(used))  # disjoint islands
 
 
 def test_non_colocated_without_islands_suggests_islands_that_fit():
     model = MLLM(get_preset("tiny"))
-    layouts = hc.module_layouts(
-        flags.default_layouts(model.module_names, 8, "non-colocated"), model.module_names
-    )
+    layouts = hetjax.train.default_layouts(model.module_names, 8, "non-colocated")
     with pytest.raises(ValueError) as excinfo:
         hetjax.runtime.plan_run(model.train_graph(layouts), num_devices=8, mode="non-colocated")
     message = flags.as_flags(str(excinfo.value))

@@ -3,13 +3,12 @@ merge into XLA_FLAGS without duplicates; applying them after the backend starts 
 
 import os
 import re
-import subprocess
-import sys
 
 import jax
 import pytest
 
 from hetjax import gpu
+from tests import launch
 
 
 def test_flags_are_well_formed():
@@ -44,10 +43,8 @@ def test_apply_before_the_backend_sets_flags_xla_knows():
         "import os, hetjax, jax; hetjax.apply_gpu_flags(); "
         "print(jax.numpy.ones(2).sum()); print(os.environ['XLA_FLAGS'])"
     )
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_cpu_enable_fast_math=false"}
-    out = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
-    )
+    env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_cpu_enable_fast_math=false"}
+    out = launch.run_code(code, env=env, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     total, flags = out.stdout.splitlines()[-2:]
     assert total == "2.0"

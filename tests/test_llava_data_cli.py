@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -20,8 +19,8 @@ from experiments import flags
 from models.config import get_preset
 from models.llava import REASONS
 from models.llava import run as llava_run
+from tests import launch
 
-ROOT = Path(__file__).resolve().parents[1]
 GOOD = {
     "id": "g",
     "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "ok"}],
@@ -34,8 +33,7 @@ BAD = [
 
 
 def _train(*args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "experiments.llava_train", *args]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    return launch.run(launch.TRAIN, *args)
 
 
 @pytest.fixture(scope="module")

@@ -1,11 +1,12 @@
 """The README's code example for wrapping Flax modules runs as written."""
 
-import pathlib
 import re
 
 import numpy as np
 
-README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+from tests.launch import ROOT
+
+README = ROOT / "README.md"
 
 
 def test_wrapping_example_runs():

@@ -20,10 +20,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
 import re
-import subprocess
-import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -44,8 +41,8 @@ from hetjax.inspect import (
 from models.config import get_preset
 from models.data import DataConfig, SyntheticLlava
 from models.mllm import MLLM
+from tests import launch
 
-ROOT = Path(__file__).resolve().parents[2]
 GLOBAL_BATCH = 16
 MICROBATCHES = 2
 STEPS = 3
@@ -323,13 +320,8 @@ def test_profiled_step_draws_timeline(run, tiny, tmp_path):
 def test_cli_timeline_writes_png(tmp_path):
     png = tmp_path / "timeline.png"
     flags = ["--steps", "2", "--global-batch", "16", "--microbatches", "2"]
-    result = subprocess.run(
-        [sys.executable, "-m", "experiments.llava_train", *flags, "--timeline", str(png)],
-        cwd=ROOT,
-        env={**os.environ, "JAX_PLATFORMS": "cpu"},
-        capture_output=True,
-        text=True,
-        timeout=600,
+    result = launch.run(
+        launch.TRAIN, *flags, "--timeline", str(png), env={"JAX_PLATFORMS": "cpu"}, timeout=600
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
