@@ -1,6 +1,6 @@
 """One process of the multi-process boundary test (spawned by test_multiprocess.py).
 
-Usage: python _mp_worker.py PROCESS_ID PORT OUT_DIR
+Usage: python -m tests.boundary._mp_worker PROCESS_ID COORDINATOR OUT_DIR
 
 Two processes with 4 CPU devices each: process 0 owns the encoder island (devices 0-3),
 process 1 the LLM island (devices 4-7). Both run the SAME program in the same order;
@@ -105,14 +105,14 @@ def run_case(case, data, out: dict[str, np.ndarray]) -> None:
 
 
 def main() -> None:
-    process_id, port, out_dir = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    process_id, coordinator, out_dir = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     # Importing this module (as the test does for CASES) must not touch the backend, so
     # the configuration happens here, before the first JAX operation.
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.config.update("jax_num_cpu_devices", 4)
     jax.distributed.initialize(
-        coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=process_id
+        coordinator_address=coordinator, num_processes=2, process_id=process_id
     )
     assert jax.process_count() == 2 and len(jax.devices()) == 8, jax.devices()
     data = inputs()

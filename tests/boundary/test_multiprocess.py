@@ -3,30 +3,17 @@ on process 1. Forward values and gradients must equal a single-device run."""
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
-from pathlib import Path
-
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests._xla import subprocess_flags
+from tests import launch
 
 from . import _mp_worker as worker
 
-ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 120
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _reference(data):
@@ -46,32 +33,12 @@ def _close(got, want):
 
 @pytest.mark.multiprocess
 def test_two_processes_match_single_device(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["XLA_FLAGS"] = subprocess_flags()  # no device count: the launcher sets it
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    port = str(_free_port())
-    script = str(Path(worker.__file__))
-    procs = [
-        subprocess.Popen(
-            [sys.executable, script, str(i), port, str(tmp_path)],
-            env=env,
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for i in range(2)
-    ]
-    logs = []
-    try:
-        for proc in procs:
-            logs.append(proc.communicate(timeout=TIMEOUT_S)[0])
-    except subprocess.TimeoutExpired:
-        for proc in procs:
-            proc.kill()
-        pytest.fail(f"multi-process boundary run hung for more than {TIMEOUT_S} s")
-    for i, (proc, log) in enumerate(zip(procs, logs, strict=True)):
-        assert proc.returncode == 0, f"process {i} failed:\n{log[-4000:]}"
+    procs = launch.start_job(
+        2, lambda i, coordinator: [worker.__name__, str(i), coordinator, str(tmp_path)]
+    )
+    done = launch.finish({f"process {i}": proc for i, proc in enumerate(procs)}, TIMEOUT_S)
+    for name, result in done.items():
+        assert result.returncode == 0, f"{name} failed:\n{(result.stdout + result.stderr)[-4000:]}"
 
     shards = {}
     for i in range(2):

@@ -10,47 +10,28 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-import socket
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from hetjax import distributed, launch
 from hetjax.distributed import consistency
-from tests._xla import subprocess_flags
+from tests import launch as job
+from tests.launch import process_lines as _lines
 
-ROOT = Path(__file__).resolve().parents[2]
 WORKER = "tests.distributed._worker"
 TIMEOUT_S = 150  # per subprocess: generous for a loaded 2-core CI machine
 STOP_BOUND_S = 30  # failure to every process gone (start-up excluded); watchdog polls 0.5 s
 
 
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
-    env["XLA_FLAGS"] = subprocess_flags()  # no device count: the launcher sets it
-    env = {k: v for k, v in env.items() if not k.startswith(("HETJAX_", "SLURM_", "OMPI_"))}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    env.update(extra)
-    return env
-
-
 def _launch(flags: list[str], worker: list[str]) -> tuple[subprocess.CompletedProcess, float]:
-    cmd = [sys.executable, "-m", "hetjax.launch", *flags, "--", WORKER, *worker]
-    try:
-        done = subprocess.run(
-            cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S
-        )
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"launcher hung for {TIMEOUT_S} s:\n{(e.stderr or b'')[-3000:]!r}")
-    return done, time.time()
+    return _run_launcher(*flags, "--", WORKER, *worker), time.time()
 
 
-def _lines(text: str, process: int) -> list[str]:
-    prefix = f"[p{process}] "
-    return [line[len(prefix) :] for line in text.splitlines() if line.startswith(prefix)]
+def _run_launcher(*args: str) -> subprocess.CompletedProcess:
+    """``python -m hetjax.launch *args``; its processes set their device counts."""
+    return job.run("hetjax.launch", *args, timeout=TIMEOUT_S, own_devices=True)
 
 
 def _failed_at(out: str) -> float:
@@ -107,42 +88,27 @@ def test_launcher_kills_the_rest_after_the_grace_period():
     assert end - _failed_at(done.stdout) < STOP_BOUND_S
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("fail", ["raise", "kill", "stop"])
 def test_watchdog_stops_a_process_blocked_in_a_collective(fail):
     """No launcher: only the watchdog can end process 0, which waits for process 1."""
-    coordinator = f"127.0.0.1:{_free_port()}"
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", WORKER, "--steps", "3", "--fail", fail, "--watchdog", "4"],
-            cwd=ROOT,
-            env=_env(
-                HETJAX_COORDINATOR=coordinator,
-                HETJAX_NUM_PROCESSES="2",
-                HETJAX_PROCESS_ID=str(i),
-                HETJAX_LOCAL_DEVICES="4",
-                JAX_PLATFORMS="cpu",
-            ),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for i in range(2)
-    ]
+    procs = job.start_job(
+        2,
+        lambda i, coordinator: [WORKER, "--steps", "3", "--fail", fail, "--watchdog", "4"],
+        env=lambda i, coordinator: dict(
+            HETJAX_COORDINATOR=coordinator,
+            HETJAX_NUM_PROCESSES="2",
+            HETJAX_PROCESS_ID=str(i),
+            HETJAX_LOCAL_DEVICES="4",
+            JAX_PLATFORMS="cpu",
+        ),
+    )
     try:
-        out0, err0 = procs[0].communicate(timeout=TIMEOUT_S)
+        err0 = job.wait(procs[0], "process 0 (its watchdog should stop it)", TIMEOUT_S).stderr
         end = time.time()
         if fail == "stop":  # a stopped process never ends by itself
             procs[1].kill()
-        out1, _ = procs[1].communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"the watchdog did not stop the processes within {TIMEOUT_S} s")
+        out1 = job.wait(procs[1], "process 1", TIMEOUT_S).stdout
     finally:
         for proc in procs:
             proc.kill()
@@ -178,10 +144,9 @@ def test_mismatched_launch_is_refused_on_every_process():
 @pytest.mark.multiprocess
 def test_timeout_stops_everything():
     start = time.monotonic()
-    done = subprocess.run(
-        [sys.executable, "-m", "hetjax.launch", "--processes", "2", "--devices-per-process",
-         "1", "--timeout", "2", "--", "tests.distributed._sleeper"],
-        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S,
+    done = _run_launcher(
+        "--processes", "2", "--devices-per-process", "1", "--timeout", "2",
+        "--", "tests.distributed._sleeper",
     )  # fmt: skip
     assert done.returncode == 124, done.stderr
     assert done.stderr.splitlines()[-1] == (
@@ -196,10 +161,9 @@ def test_timeout_stops_everything():
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("program", [[], ["-m"]], ids=["module", "dash-m"])
 def test_sigterm_stops_the_launcher_and_its_processes(program):
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "hetjax.launch", "--processes", "2", "--devices-per-process",
-         "1", "--", *program, "tests.distributed._sleeper"],
-        cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    launcher = job.start(
+        "hetjax.launch", "--processes", "2", "--devices-per-process", "1",
+        "--", *program, "tests.distributed._sleeper", own_devices=True,
     )  # fmt: skip
     try:
         assert launcher.stdout is not None
@@ -244,14 +208,7 @@ def test_dash_m_before_the_module_means_the_same_as_without():
 
 
 def test_bad_flags_from_the_command_line_exit_2_without_traceback():
-    done = subprocess.run(
-        [sys.executable, "-m", "hetjax.launch", "--processes", "2", "--", WORKER],
-        cwd=ROOT,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-    )
+    done = _run_launcher("--processes", "2", "--", WORKER)
     assert done.returncode == 2
     assert done.stderr == (
         "hetjax.launch: error: the following arguments are required: --devices-per-process "

@@ -22,18 +22,16 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tests._xla import subprocess_flags
+from tests import launch
+from tests.launch import process_lines as _lines
+from tests.launch import rows as _rows
 
-ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 600  # per subprocess: all runs share a loaded 2-core CI machine
 STOP_BOUND_S = 60  # a process killed -> every process gone (the issue's bound)
 TRAIN = ["--steps", "10", "--global-batch", "16", "--microbatches", "2"]
@@ -63,24 +61,9 @@ MULTI = [
 ]
 
 
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["XLA_FLAGS"] = subprocess_flags()  # no device count: the launcher sets it
-    env = {k: v for k, v in env.items() if not k.startswith(("HETJAX_", "SLURM_", "OMPI_"))}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    env.update(extra)
-    return env
-
-
 def _popen(args: list[str], **env: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", *args],
-        cwd=ROOT,
-        env=_env(**env),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    """``python -m *args``, a process that sets its own device count (``--devices``)."""
+    return launch.start(*args, env=env, own_devices=True)
 
 
 def _launcher(processes: int, devices: int, module: str, args: list[str], **env: str):
@@ -91,22 +74,7 @@ def _launcher(processes: int, devices: int, module: str, args: list[str], **env:
 
 
 def _finish(proc: subprocess.Popen, what: str) -> subprocess.CompletedProcess:
-    try:
-        out, err = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, err = proc.communicate()
-        pytest.fail(f"{what} ran past {TIMEOUT_S} s:\n{err[-3000:]}")
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-
-
-def _lines(text: str, process: int) -> list[str]:
-    prefix = f"[p{process}] "
-    return [line[len(prefix) :] for line in text.splitlines() if line.startswith(prefix)]
-
-
-def _rows(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return launch.wait(proc, what, TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
@@ -228,26 +196,17 @@ def test_llava_processes_decode_only_the_images_their_devices_hold(llava_dir, tm
     assert llm == [0] * 4, llm
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.multiprocess
 def test_mismatched_launch_is_refused_on_every_process():
     """Two processes started by hand with the trainer's own flags, seeds 0 and 1."""
-    coordinator = f"127.0.0.1:{_free_port()}"
     start = time.monotonic()
-    procs = [
-        _popen(
-            [
-                *("experiments.llava_train", "--devices", "2", *TRAIN, "--seed", str(i)),
-                *("--coordinator", coordinator, "--num-processes", "2", "--process-id", str(i)),
-            ]
-        )
-        for i in range(2)
-    ]
+    procs = launch.start_job(
+        2,
+        lambda i, coordinator: [
+            *("experiments.llava_train", "--devices", "2", *TRAIN, "--seed", str(i)),
+            *("--coordinator", coordinator, "--num-processes", "2", "--process-id", str(i)),
+        ],
+    )
     try:
         results = [_finish(p, f"process {i}") for i, p in enumerate(procs)]
     finally:
