@@ -231,26 +231,6 @@ def resolve(path: str | None, given: Mapping[str, Any]) -> hc.TrainConfig:
     return hc.from_dict(data)
 
 
-def default_layouts(
-    modules: Sequence[str], num_devices: int, mode: str = "colocated"
-) -> dict[str, str]:
-    """The layouts of a run given none: colocated (and the homogeneous baseline), every
-    module over all devices, the LLM as ``pp=2, tp=2`` when the count allows it, else data
-    parallel; non-colocated, whose islands must share the devices, the LLM on half of
-    them and the encoders splitting the other half evenly (8 devices, one encoder:
-    ``vision dp=4``, ``llm dp=1,tp=2,pp=2``, islands ``vision:4 llm:4``)."""
-
-    def llm(n: int) -> str:
-        return f"dp={n // 4},tp=2,pp=2" if n % 4 == 0 else f"dp={n}"
-
-    encoders = [m for m in modules if m != "llm"]
-    if mode != "non-colocated" or not encoders or num_devices < len(modules):
-        return {m: (llm(num_devices) if m == "llm" else f"dp={num_devices}") for m in modules}
-    half = num_devices // 2
-    each = (num_devices - half) // len(encoders)
-    return {m: (llm(half) if m == "llm" else f"dp={each}") for m in modules}
-
-
 # name=<python literal> inside a core message: a dict/list without nesting, a quoted
 # string, a number, True/False/None.
 _LITERAL = r"\{[^{}]*\}|\[[^\[\]]*\]|'[^']*'|\"[^\"]*\"|-?\d+(?:\.\d+)?(?:e-?\d+)?|True|False|None"

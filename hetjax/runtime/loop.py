@@ -10,10 +10,14 @@ from __future__ import annotations
 import datetime
 import json
 import math
+import queue
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import IO, Any
+
+import jax
 
 from hetjax.runtime.observers import Observer
 from hetjax.runtime.reduce import StepMetrics
@@ -34,12 +38,11 @@ def run_training(
 ) -> list[dict[str, float]]:
     """Runs ``step_fn(start) ... step_fn(steps - 1)``; returns the per-step metrics.
 
-    A step's time is the interval between the moments the host sees it and the step
-    before it finished: a step is seen finished when its metrics are ready (checked
-    right after each dispatch, which may itself wait on the devices) or when reading
-    them returns. Steps first seen finished at the same moment (a dispatch that waited
-    for the devices) share the interval since the last finish evenly, so no step is
-    billed for another's work and the last step's time is not zero.
+    A step's time is the interval between its finish and the finish of the step before
+    it (the first: since the loop started). A finish is when the step's metrics are
+    computed, taken by a thread that waits on them as soon as the step is dispatched:
+    neither a dispatch that itself waits on the devices (as on CPU) nor the order the
+    loop reads metrics in moves it, so the last step's time is as real as the others'.
 
     Args:
         step_fn: dispatches one step and returns its metrics (a
@@ -60,21 +63,14 @@ def run_training(
     """
     history: list[dict[str, float]] = []
     pending: tuple[int, Mapping[str, Any]] | None = None
-    done_at = {start - 1: time.perf_counter()}
-
-    def finished(newly: list[int], now: float) -> None:
-        last = max(done_at)
-        for j, s in enumerate(newly, start=1):
-            done_at[s] = done_at[last] + (now - done_at[last]) * j / len(newly)
-
-    def seen(items: list[tuple[int, Mapping[str, Any]]], now: float) -> None:
-        finished([s for s, m in items if s not in done_at and _ready(m)], now)
+    finishes = _Finishes()
+    last_end = [time.perf_counter()]
 
     def report(done: int, step_metrics: Mapping[str, Any]) -> None:
         metrics = {k: float(v) for k, v in step_metrics.items()}  # waits for step `done`
-        if done not in done_at:
-            finished([done], time.perf_counter())
-        elapsed = max(done_at[done] - done_at[done - 1], 1e-9)
+        end = finishes.time(done)
+        elapsed = max(end - last_end[0], 1e-9)
+        last_end[0] = end
         metrics.update(
             step=done,
             tokens=tokens_per_step,
@@ -92,12 +88,11 @@ def run_training(
     try:
         step = start
         while step <= steps:
-            if pending is not None:  # a step done before this dispatch began is billed up
-                seen([pending], time.perf_counter())  # to here, not to the dispatch's end
             current = (step, step_fn(step)) if step < steps else None
-            if current is not None and stop is not None and stop():
-                steps = step + 1  # this step is the last
-            seen([item for item in (pending, current) if item is not None], time.perf_counter())
+            if current is not None:
+                finishes.watch(*current)
+                if stop is not None and stop():
+                    steps = step + 1  # this step is the last
             if pending is not None:
                 done, pending = pending, None
                 report(*done)
@@ -119,16 +114,58 @@ def run_training(
             if hasattr(hook, "on_error"):
                 hook.on_error(error)
         raise
+    finally:
+        finishes.close()
     for hook in hooks:
         hook.on_end(history)
     return history
 
 
-def _ready(metrics: Mapping[str, Any]) -> bool:
-    """Whether every value is computed (host values always are)."""
+class _Finishes:
+    """When each dispatched step finished: a thread waits on the steps' metrics in
+    order and notes the time each became ready (waiting on device arrays releases the
+    GIL, so the host loop goes on dispatching)."""
+
+    def __init__(self):
+        self.times: dict[int, float] = {}
+        self.ready = threading.Condition()
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name="hetjax-step-finishes", daemon=True)
+        self.thread.start()
+
+    def watch(self, step: int, metrics: Mapping[str, Any]) -> None:
+        self.queue.put((step, metrics))
+
+    def time(self, step: int) -> float:
+        """When ``step`` (dispatched and watched) finished; waits for it."""
+        with self.ready:
+            self.ready.wait_for(lambda: step in self.times)
+            return self.times[step]
+
+    def close(self) -> None:
+        self.queue.put(None)
+
+    def _run(self) -> None:
+        while (item := self.queue.get()) is not None:
+            step, metrics = item
+            try:
+                _wait(metrics)
+            except Exception:  # noqa: BLE001 - the loop's own read raises it
+                pass
+            with self.ready:
+                self.times[step] = time.perf_counter()
+                self.ready.notify_all()
+
+
+def _wait(metrics: Mapping[str, Any]) -> None:
+    """Blocks until every value is computed (host values always are)."""
     if isinstance(metrics, StepMetrics):
-        return metrics.is_ready()
-    return all(v.is_ready() if hasattr(v, "is_ready") else True for v in metrics.values())
+        if not metrics.on_host:
+            jax.block_until_ready(metrics)
+        return
+    for value in metrics.values():
+        if hasattr(value, "block_until_ready"):
+            value.block_until_ready()
 
 
 class NonFiniteError(ValueError):

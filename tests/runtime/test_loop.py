@@ -118,6 +118,58 @@ def test_blocking_dispatch_bills_every_step_its_own_time():
     assert sum(times) == pytest.approx(0.2, rel=0.5)
 
 
+class _Late:
+    """A device value that becomes ready ``delay`` seconds after its dispatch returned."""
+
+    def __init__(self, value: float, delay: float):
+        import time
+
+        self.value, self.at = value, time.perf_counter() + delay
+
+    def is_ready(self):
+        import time
+
+        return time.perf_counter() >= self.at
+
+    def block_until_ready(self):
+        import time
+
+        time.sleep(max(0.0, self.at - time.perf_counter()))
+        return self
+
+    def __float__(self):
+        self.block_until_ready()
+        return self.value
+
+
+def test_a_dispatch_that_runs_most_of_its_step_bills_the_last_step_its_own_time():
+    """Each dispatch waits for most of its own step and leaves a short tail on the
+    devices (the executor on CPU): the last step's time is like the others', not the
+    tail alone (a 30-step run printed 73,154 tokens/s for its last step, ~5,000 before)."""
+    import time
+
+    def step_fn(i):
+        time.sleep(0.05)
+        return {"loss": _Late(float(i), 0.01)}
+
+    history = run_training(step_fn, 5, tokens_per_step=64)
+    times = [m["step_time_s"] for m in history]
+    assert all(t > 0.035 for t in times), times
+    assert times[-1] == pytest.approx(sum(times[1:-1]) / 3, rel=0.5), times
+
+
+def test_stop_ends_the_run_after_the_step_it_is_asked_at():
+    stopped = []
+
+    def step_fn(i):
+        if i == 2:
+            stopped.append(i)
+        return {"loss": jnp.float32(i)}
+
+    history = run_training(step_fn, 6, tokens_per_step=8, stop=lambda: bool(stopped))
+    assert [m["step"] for m in history] == [0, 1, 2]
+
+
 def test_a_failing_step_releases_the_terminal_and_keeps_the_finished_rows(tmp_path):
     out, path = Terminal(), tmp_path / "m.jsonl"
     bar = ProgressBar(5, stream=out)
