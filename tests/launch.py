@@ -44,7 +44,7 @@ def environment(*, own_devices: bool = False, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(_JOB_VARIABLES)}
     if own_devices:
         env["XLA_FLAGS"] = subprocess_flags()
-    # A launcher's children start in other folders; they import tests' helpers too.
+    # ``tests`` is not installed with the project; the workers a launcher starts import it.
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     return env | extra
 
