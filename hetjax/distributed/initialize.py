@@ -17,6 +17,9 @@ import os
 from collections.abc import Mapping
 from typing import Any, Literal
 
+from .process import record
+from .watchdog import install_guard
+
 ENV_COORDINATOR = "HETJAX_COORDINATOR"
 ENV_NUM_PROCESSES = "HETJAX_NUM_PROCESSES"
 ENV_PROCESS_ID = "HETJAX_PROCESS_ID"
@@ -179,20 +182,10 @@ def initialize(
                 kwargs[name] = value
         jax.distributed.initialize(**kwargs)
     _info = info
+    record(info.process_id, info.num_processes)
     if info.is_multiprocess:
-        from .watchdog import install_guard  # here: the watchdog imports where() from us
-
         install_guard()
     return info
-
-
-def where() -> tuple[int, int]:
-    """(process id, number of processes), from :func:`initialize` or else from JAX."""
-    if _info is not None:
-        return _info.process_id, _info.num_processes
-    import jax
-
-    return jax.process_index(), jax.process_count()
 
 
 def _env_int(env: Mapping[str, str], key: str) -> int | None:

@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, NoReturn
 
-from .initialize import where
+from .process import where
 
 logger = logging.getLogger(__name__)
 

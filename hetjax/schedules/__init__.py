@@ -37,12 +37,12 @@ from .schedule import Schedule as Schedule
 from .schedule import StageInfo as StageInfo
 from .schedule import build_schedule as build_schedule
 from .simulator import Durations as Durations
-from .simulator import TimedAction as TimedAction
 from .simulator import Timeline as Timeline
 from .simulator import simulate as simulate
 from .three_phase import THREE_PHASES as THREE_PHASES
 from .three_phase import three_phase as three_phase
 from .three_phase import three_phase_for_graph as three_phase_for_graph
+from .timed import TimedAction as TimedAction
 
 __all__ = [
     "SCHEDULE_NAMES",

@@ -11,12 +11,10 @@ is the readable form.
 from __future__ import annotations
 
 import colorsys
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from .simulator import Timeline
+from .timed import TimelineView
 
 _WHITE = (255, 255, 255)
 _GRID = (200, 200, 200)
@@ -41,7 +39,7 @@ def _rgb(hue: float, saturation: float, value: float) -> tuple[int, int, int]:
     return round(255 * red), round(255 * green), round(255 * blue)
 
 
-def render_gantt(timeline: Timeline, *, width: int = 1200, row_height: int = 24) -> np.ndarray:
+def render_gantt(timeline: TimelineView, *, width: int = 1200, row_height: int = 24) -> np.ndarray:
     """Render ``timeline`` as pixels.
 
     Args:

@@ -23,33 +23,12 @@ from .actions import Action
 from .checker import check_schedule
 from .errors import ScheduleError
 from .schedule import Schedule
+from .timed import TimedAction as TimedAction
 
 Durations = Callable[[Action], float] | Mapping[Hashable, float]
 """Either ``f(action) -> seconds``, or a mapping looked up with the keys
 ``(kind, stage)``, then ``(kind, module)``, then ``kind``. F and B need a duration;
 sends and recvs default to 0."""
-
-
-@dataclasses.dataclass(frozen=True)
-class TimedAction:
-    """An action with its simulated start and end time.
-
-    Attributes:
-        action: The action.
-        start: Start time.
-        end: End time.
-        seq: Position in the simulator's start order (see `Timeline.in_start_order`).
-    """
-
-    action: Action
-    start: float
-    end: float
-    seq: int = 0
-
-    @property
-    def duration(self) -> float:
-        """``end - start``."""
-        return self.end - self.start
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import json
 import pathlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from .simulator import Timeline
+from .timed import TimelineView
 
 
-def chrome_trace(timeline: Timeline, *, seconds: float = 1.0) -> dict[str, Any]:
+def chrome_trace(timeline: TimelineView, *, seconds: float = 1.0) -> dict[str, Any]:
     """The trace events of ``timeline``; ``seconds``: what one time unit of it lasts."""
     us = 1e6 * seconds
     events: list[dict[str, Any]] = [
@@ -63,7 +62,7 @@ def chrome_trace(timeline: Timeline, *, seconds: float = 1.0) -> dict[str, Any]:
 
 
 def write_chrome_trace(
-    timeline: Timeline, path: str | pathlib.Path, *, seconds: float = 1.0
+    timeline: TimelineView, path: str | pathlib.Path, *, seconds: float = 1.0
 ) -> pathlib.Path:
     """Writes :func:`chrome_trace` of ``timeline`` to ``path``; returns the path."""
     path = pathlib.Path(path)
