@@ -152,7 +152,7 @@ LAYOUTS = {
 def config(layout: str, checkpoint_dir: str, **overrides) -> hc.TrainConfig:
     """The run's settings: 6 steps of 16 samples in 2 microbatches, a checkpoint every 3."""
     islands = {"sensor": 4, "lm": 4} if layout == "non-colocated" else {}
-    return hc.TrainConfig(
+    settings = dict(
         steps=6,
         data=hc.DataConfig(global_batch=16),
         parallel=hc.ParallelConfig(
@@ -160,8 +160,8 @@ def config(layout: str, checkpoint_dir: str, **overrides) -> hc.TrainConfig:
         ),
         optimizer=hc.OptimizerConfig(lr=1e-2),
         checkpoint=hc.CheckpointConfig(dir=checkpoint_dir, save_every=3),
-        **overrides,
     )
+    return hc.TrainConfig(**{**settings, **overrides})
 
 
 def train(layout: str, checkpoint_dir: str, **overrides) -> dict[int, float]:
