@@ -69,6 +69,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--global-batch", "data.global_batch", positive_int),
     Flag("--microbatches", "parallel.microbatches", positive_int, core=("microbatches",)),
     Flag("--seq-len", "model.seq_len", positive_int),
+    Flag("--vocab-size", "model.vocab_size", positive_int),
     Flag(
         "--data",
         "data.sources",

@@ -56,6 +56,11 @@ class ModelConfig:
         "SigLIP, llm: Llama); the other modules keep the preset, freshly initialised",
     )
     seq_len: int | None = doc(None, "text + media tokens per sample (None: the preset's)")
+    vocab_size: int | None = doc(
+        None,
+        "the LLM's vocabulary when it starts fresh (None: the preset's, grown to "
+        "data.tokenizer's size when that is larger)",
+    )
     dtype: Literal["float32", "bfloat16"] = doc(
         "float32", "compute dtype: float32 or bfloat16 (parameters stay float32)"
     )
@@ -236,6 +241,7 @@ _RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "checkpoint.keep": (lambda v: v >= 1, "a positive integer"),
     "seed": (lambda v: v >= 0, "a non-negative integer (it seeds numpy's generator)"),
     "model.seq_len": (lambda v: v >= 1, "a positive integer"),
+    "model.vocab_size": (lambda v: v >= 1, "a positive integer"),
     "data.global_batch": (lambda v: v >= 1, "a positive integer"),
     "data.sources": (lambda v: all(w > 0 for w in v.values()), "positive mixture weights"),
     "data.max_images_per_microbatch": (lambda v: v >= 1, "a positive integer"),
@@ -290,6 +296,12 @@ def check(cfg: TrainConfig) -> None:
         raise InvalidConfigError(
             f"model.init names {bad!r}: only 'vision' (CLIP/SigLIP) and 'llm' (Llama) start "
             "from Hugging Face checkpoints"
+        )
+    if m.vocab_size is not None and (m.init_from or "llm" in m.init):
+        where = "model.init_from" if m.init_from else "model.init's llm"
+        raise InvalidConfigError(
+            f"model.vocab_size={m.vocab_size} is for a fresh LLM; the vocabulary comes from "
+            f"{where}: drop model.vocab_size"
         )
     if cfg.checkpoint.save_every is not None and not cfg.checkpoint.dir:
         raise InvalidConfigError(

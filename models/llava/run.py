@@ -27,13 +27,21 @@ from models.llava.text import HFTokenizer
 
 
 def build(
-    data: Any, model: MLLMConfig, *, seq_len: int, seed: int, microbatches: int
+    data: Any,
+    model: MLLMConfig,
+    *,
+    seq_len: int,
+    seed: int,
+    microbatches: int,
+    grow_vocab: bool = False,
 ) -> tuple[LlavaData, MLLMConfig]:
     """The checked data and the model config with the tokenizer's ``<image>`` id.
 
     Args:
         data: a :class:`hetjax.config.DataConfig` with ``sources``.
         model: the model preset.
+        grow_vocab: the LLM starts fresh: a tokenizer larger than its vocabulary grows it
+            to the tokenizer's size (else that is an error).
 
     Raises:
         ValueError: one line: a tokenizer that does not load or does not fit the model's
@@ -41,10 +49,13 @@ def build(
             does not split over a microbatch's rows.
     """
     tok = HFTokenizer(data.tokenizer)
+    if tok.vocab_size > model.llm.vocab and grow_vocab:
+        model = dataclasses.replace(model, llm=dataclasses.replace(model.llm, vocab=tok.vocab_size))
     if tok.vocab_size > model.llm.vocab:
         raise ValueError(
             f"tokenizer {tok.path} has {tok.vocab_size} ids but the model's vocabulary is "
-            f"{model.llm.vocab}; use a model with a vocabulary of at least {tok.vocab_size}"
+            f"{model.llm.vocab}; use a model with a vocabulary of at least {tok.vocab_size} "
+            "(model.vocab_size, for a fresh LLM)"
         )
     if tok.image_id is not None:
         model = dataclasses.replace(model, image_token_id=tok.image_id)

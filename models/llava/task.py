@@ -11,6 +11,7 @@ position a resumed checkpoint stored.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Collection, Mapping
 from typing import Any
 
@@ -39,7 +40,13 @@ class LlavaTask:
 
     def __init__(self, config: TrainConfig):
         self.run_config = config
-        preset = model_config(config.model)
+        m = config.model
+        preset = model_config(m)
+        fresh = not (m.init_from or "llm" in m.init)  # the LLM's vocabulary is ours to set
+        if m.vocab_size is not None:
+            preset = dataclasses.replace(
+                preset, llm=dataclasses.replace(preset.llm, vocab=m.vocab_size)
+            )
         self.seq_len = config.model.seq_len or preset.seq_len
         images_per_row = 1
         if config.data.sources:
@@ -51,6 +58,7 @@ class LlavaTask:
                 seq_len=self.seq_len,
                 seed=config.seed,
                 microbatches=config.parallel.microbatches,
+                grow_vocab=fresh and m.vocab_size is None,
             )
             images_per_row = self.dataset.config.images_per_row
         else:
