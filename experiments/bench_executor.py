@@ -8,15 +8,18 @@ default) for a layout in one of three placements and a microbatch count M: coloc
 1F1B), non-colocated (vision ``dp=4`` | LLM ``dp=2,pp=2`` on islands 4 + 4) and the
 homogeneous baseline of ``dp=2,tp=2,pp=2``, the last two under 1F1B and GPipe, each for M
 in {2, 4, 8}. Layouts scale with ``--devices`` (a multiple of 4). The model is the
-``tiny`` preset; ``--quick`` (for the test) runs only the non-colocated rows with M in
-{2, 4} on ``nano``, tiny shrunk to negligible compute. A microbatch always holds
-``--microbatch-size`` samples (default: one per device; global batch = M x that), so the
-rows of one layout share their programs: the run keeps a persistent compilation cache in
-a temporary directory, which turns later compiles of an identical program into loads.
+``tiny`` preset; ``--quick`` (for the test) runs every row kind on ``nano``, tiny shrunk
+to negligible compute: the non-colocated rows with M in {2, 4}, colocated M = 2 and the
+homogeneous rows with M = 2. A microbatch always holds ``--microbatch-size`` samples
+(default: one per device; global batch = M x that), so the rows of one layout share
+their programs: the run keeps a persistent compilation cache (a temporary directory, or
+the one ``JAX_COMPILATION_CACHE_DIR`` names), which turns later compiles of an identical
+program into loads.
 
 Everything is measured through the executor's public observer hooks: each row's
-executor is built with three observers (a :class:`hetjax.inspect.Recorder` and this
-file's :class:`AsyncTimer` and :class:`LiveSampler`), each listening during one step.
+executor is built with three observers (:class:`hetjax.inspect.Recorder`,
+:class:`hetjax.inspect.AsyncTimer` and :class:`hetjax.inspect.LiveSampler`), each
+listening during one step.
 
 How each figure is measured, and its limits:
 
@@ -58,7 +61,9 @@ How each figure is measured, and its limits:
   accumulators (forward outputs, cotangents, transfer copies, microbatch data; colocated
   stages share devices, so it mixes their arrays). It is not held to the bound.
 - ``bubble_measured``: one unprofiled step with a watcher thread per stage that waits for
-  each F/B's inputs, then its output: the op runs from max(dispatch, inputs seen ready,
+  each F/B's inputs, then its outputs (those not donated meanwhile: the stash and the
+  accumulator are; a watcher's error is raised by the row): the op runs from
+  max(dispatch, inputs seen ready,
   end of every earlier F/B on devices it shares) to output seen ready. Dispatch is the
   ``on_dispatch`` event's ``t0``, taken before the executor waits for in-flight programs
   on shared devices (XLA:CPU), so the op starts no earlier than those ended, which is
@@ -89,15 +94,10 @@ import dataclasses
 import gc
 import os
 import pathlib
-import queue
 import statistics
 import sys
-import tempfile
-import threading
 import time
-import weakref
 from collections import Counter
-from collections.abc import Callable
 from typing import Any
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -126,7 +126,7 @@ class BenchConfig:
     microbatch_size: int | None = None  # samples per microbatch (None: --devices)
     seq_len: int | None = None  # tokens per sample (None: the model's)
     model: str = "tiny"  # tiny (the preset) or nano (negligible compute)
-    quick: bool = False  # nano model, non-colocated layout only, M in {2, 4} (for the test)
+    quick: bool = False  # nano model, each placement and schedule once (for the test)
 
 
 def make_rows(n: int, quick: bool) -> list[Row]:
@@ -136,8 +136,10 @@ def make_rows(n: int, quick: bool) -> list[Row]:
     islands = {"vision": f"dp={n // 2}", "llm": f"dp={n // 4},pp=2"}
     # The executor gives the encoder the LLM's layout without PP (stock Megatron).
     homogeneous = {"vision": f"dp={n // 4},tp=2", "llm": llm_tp}
-    if quick:
-        return [Row(islands, "non-colocated", s, m) for m in (2, 4) for s in ("1f1b", "gpipe")]
+    if quick:  # every placement and schedule once; 1F1B against GPipe at M = 2 and 4
+        rows = [Row(islands, "non-colocated", s, m) for m in (2, 4) for s in ("1f1b", "gpipe")]
+        rows.append(Row(colocated, "colocated", "1f1b", 2))
+        return rows + [Row(homogeneous, "homogeneous", s, 2) for s in ("1f1b", "gpipe")]
     rows = [Row(colocated, "colocated", "1f1b", m) for m in (2, 4, 8)]
     for layouts, placement in ((islands, "non-colocated"), (homogeneous, "homogeneous")):
         rows += [Row(layouts, placement, s, m) for m in (2, 4, 8) for s in ("1f1b", "gpipe")]
@@ -150,6 +152,8 @@ def make_rows(n: int, quick: bool) -> list[Row]:
 def dp_reductions(ex, rec) -> list[float]:
     """DP reductions per step of every parameter (of stages with ``dp > 1``), from the
     programs a :class:`hetjax.inspect.Recorder` saw compiled."""
+    import jax
+
     from hetjax.inspect import dp_all_reduce_shapes
 
     runs = {"bwd": ex.microbatches, "reduce": 1}
@@ -157,7 +161,7 @@ def dp_reductions(ex, rec) -> list[float]:
     for key, prog in ex.programs.items():
         if prog.replicas == 1:
             continue
-        leaves = _leaves(ex.params[key])
+        leaves = jax.tree.leaves(ex.params[key])
         params = Counter(tuple(a.sharding.shard_shape(a.shape)) for a in leaves)
         reduced: Counter = Counter()
         for name, times in runs.items():
@@ -167,167 +171,6 @@ def dp_reductions(ex, rec) -> list[float]:
         for shape, n in params.items():
             values += [reduced[shape] / n] * n
     return values
-
-
-def _leaves(tree) -> list:
-    import jax
-
-    return jax.tree.leaves(tree)
-
-
-# -- live activation bytes ------------------------------------------------------------------
-
-
-class LiveSampler:
-    """An observer sampling ``jax.live_arrays()`` after every ``fwd``/``bwd`` of one step
-    (from :meth:`start` to :meth:`stop`); attributes the stash to stages.
-
-    Arrays get serial numbers (an ``id`` may be reused once an array is freed, a weak
-    reference tells the two apart). A stage input counts as stashed from its F to its B:
-    from the ``fwd`` call that receives it, or - on the loss stage, whose F only stashes -
-    from the first sample where the microbatch data the executor places at F is live.
-    """
-
-    def __init__(self) -> None:
-        self.stage_of: Callable[[tuple], int] | None = None  # set by start()
-        self._refs: dict[int, tuple[weakref.ref, int]] = {}
-        self.bytes: dict[int, dict] = {}  # serial -> {device: bytes}
-        self.first_seen: dict[int, int] = {}  # serial -> first sample holding it
-        self.fwd_at: dict[int, int] = {}  # serial of a fwd input -> sample after that call
-        self.samples: list[set[int]] = []
-        self.stashed: list[tuple[int, set[int], int, int]] = []  # (stage, serials, from, to)
-        self.skip: set[int] = set()  # arrays older than the step, then accumulators
-
-    def start(self, stage_of: Callable[[tuple], int]) -> None:
-        from hetjax.inspect import live_arrays
-
-        self.stage_of = stage_of
-        self.skip = {self._serial(a) for a in live_arrays()}
-
-    def stop(self) -> None:
-        self.stage_of = None
-
-    def _serial(self, a) -> int:
-        from hetjax.inspect import array_bytes_per_device
-
-        seen = self._refs.get(id(a))
-        if seen is not None and seen[0]() is a:
-            return seen[1]
-        serial = len(self.bytes)
-        self._refs[id(a)] = (weakref.ref(a), serial)
-        self.bytes[serial] = array_bytes_per_device(a)
-        return serial
-
-    def sample(self) -> int:
-        from hetjax.inspect import live_arrays
-
-        now = {self._serial(a) for a in live_arrays()}
-        for k in now:
-            self.first_seen.setdefault(k, len(self.samples))
-        self.samples.append(now)
-        return len(self.samples) - 1
-
-    def on_dispatch(self, event) -> None:
-        if self.stage_of is None:
-            return
-        name, args, out = event.program, event.inputs, event.outputs
-        if name in ("zeros", "bwd"):  # bwd -> (acc, gx, loss)
-            self.skip.update(self._serial(a) for a in _leaves(out if name == "zeros" else out[0]))
-        if name == "fwd":  # (params, x, batch)
-            i = self.sample()
-            for a in _leaves(args[1]):
-                self.fwd_at.setdefault(self._serial(a), i)
-        elif name == "bwd":  # (params, acc, x, batch, g_out, normalizer)
-            i = self.sample()  # the event holds the inputs: x and the data are live
-            xs = {self._serial(a) for a in _leaves(args[2])}
-            data = {self._serial(a) for a in _leaves(args[3])}
-            starts = [self.fwd_at[k] for k in xs if k in self.fwd_at]
-            start = min(starts or [self.first_seen.get(k, i) for k in (data or xs)] or [i])
-            self.stashed.append((self.stage_of(event.stage), xs | data, start, i))
-
-    def stash_peaks(self, num_stages: int) -> list[int]:
-        peaks = [0] * num_stages
-        for i, live in enumerate(self.samples):
-            held = [0] * num_stages
-            for stage, serials, start, end in self.stashed:
-                if start <= i <= end:
-                    held[stage] += sum(sum(self.bytes[k].values()) for k in serials & live)
-            peaks = [max(p, h) for p, h in zip(peaks, held, strict=True)]
-        return peaks
-
-    def live_peaks(self, stage_devices: list[set]) -> list[int]:
-        return [
-            max(
-                (
-                    sum(b for k in live - self.skip for d, b in self.bytes[k].items() if d in devs)
-                    for live in self.samples
-                ),
-                default=0,
-            )
-            for devs in stage_devices
-        ]
-
-
-# -- measured bubble ------------------------------------------------------------------------
-
-
-class AsyncTimer:
-    """An observer with per-stage watcher threads timing each F/B of one unprofiled step
-    (from :meth:`start` to :meth:`bubble`)."""
-
-    def __init__(self) -> None:
-        self.stage_of: Callable[[tuple], int] | None = None  # set by start()
-        self.ops: list[tuple] = []  # (stage key, dispatched, [ready, end]) in dispatch order
-
-    def start(self, stage_of: Callable[[tuple], int], num_stages: int) -> None:
-        self.stage_of, self.num_stages = stage_of, num_stages
-        self.queues = [queue.Queue() for _ in range(num_stages)]
-        self.threads = [
-            threading.Thread(target=self._watch, args=(s,), daemon=True) for s in range(num_stages)
-        ]
-        for t in self.threads:
-            t.start()
-
-    def _watch(self, stage: int) -> None:
-        import jax
-
-        while (item := self.queues[stage].get()) is not None:
-            times, inputs, output = item
-            jax.block_until_ready(inputs)
-            times.append(time.perf_counter())
-            jax.block_until_ready(output)
-            times.append(time.perf_counter())
-
-    def on_dispatch(self, event) -> None:
-        if self.stage_of is None or event.program not in ("fwd", "bwd"):
-            return
-        args, out = event.inputs, event.outputs
-        # bwd: (params, acc, x, batch, g_out, normalizer) -> (acc, gx, loss); the
-        # accumulator is donated by the next bwd, so wait on the loss (same program).
-        inputs, output = (args[1:3], out) if event.program == "fwd" else (args[2:5], out[2])
-        times: list[float] = []
-        self.ops.append((event.stage, event.t0, times))
-        self.queues[self.stage_of(event.stage)].put((times, inputs, output))
-
-    def bubble(self, devices_of: dict[tuple, frozenset]) -> list[float]:
-        """Per stage ``1 - busy / window``; ``devices_of``: each stage key's devices."""
-        for q in self.queues:
-            q.put(None)
-        for t in self.threads:
-            t.join()
-        self.stage_of, stage_of = None, self.stage_of
-        spans: list[list[tuple[float, float]]] = [[] for _ in range(self.num_stages)]
-        ends: list[tuple[frozenset, float]] = []  # earlier ops: devices, end
-        for key, dispatched, (ready, end) in self.ops:
-            devices = devices_of[key]
-            # The hook's t0 precedes the executor's wait for in-flight programs on shared
-            # devices (XLA:CPU), so the op also starts no earlier than when they ended.
-            free = max((e for d, e in ends if d & devices), default=dispatched)
-            spans[stage_of(key)].append((max(dispatched, ready, free), end))
-            ends.append((devices, end))
-        flat = [s for row in spans for s in row]
-        window = max(e for _, e in flat) - min(s for s, _ in flat)
-        return [1.0 - sum(e - s for s, e in row) / window for row in spans]
 
 
 # -- one row --------------------------------------------------------------------------------
@@ -435,7 +278,7 @@ def timed_steps(trainer, batches: list[dict]) -> tuple[list[float], list[float]]
 def run_row(row: Row, work: Workload, light: Workload, devices: list, counter, config) -> dict:
     """Builds the executor of ``row`` on ``work``, measures it, returns one JSON row;
     the dispatch overhead is measured on ``light`` (the same workload, or a nano one)."""
-    from hetjax.inspect import Recorder, Timer
+    from hetjax.inspect import AsyncTimer, LiveSampler, Recorder, Timer
 
     m, steps = row.microbatches, config.steps
     batches = work.batches(m, steps + 3)
@@ -625,18 +468,14 @@ def print_table(rows: list[dict]) -> None:
 
 def main(config: BenchConfig) -> list[dict]:
     """Runs every row, prints a table, writes JSON, and fails on a violated condition."""
-    from experiments.cli import ConfigError, finish_rows, setup_devices
+    from experiments.cli import ConfigError, finish_rows, setup_devices, share_compiles
 
     if config.devices % 4 or config.steps < 5:
         raise ConfigError("--devices must be a multiple of 4 and --steps at least 5")
     devices = setup_devices(config.devices)  # before anything starts a JAX backend
-    import jax
 
-    cache = tempfile.TemporaryDirectory(prefix="bench_executor_")
     # Rows of one layout share their programs: later executors load them from this cache.
-    jax.config.update("jax_compilation_cache_dir", cache.name)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    cache = share_compiles("bench_executor_")
     from hetjax.inspect import CompileCounter
 
     counter = CompileCounter().start()  # cumulative: rows read differences of its count
@@ -688,7 +527,7 @@ def parse_args(argv: list[str]) -> BenchConfig:
     p.add_argument("--seq-len", type=positive_int, default=d.seq_len)
     p.add_argument("--model", choices=["tiny", "nano"], default=d.model)
     p.add_argument(
-        "--quick", action="store_true", help="nano model, one layout, M in {2, 4} (about a minute)"
+        "--quick", action="store_true", help="nano model, every row kind once (about a minute)"
     )
     return BenchConfig(**vars(p.parse_args(argv)))
 

@@ -7,7 +7,10 @@
 - :mod:`~hetjax.inspect.memory` - live bytes per device and compiled peak bytes;
 - :mod:`~hetjax.inspect.timers` - a wall-clock :class:`Timer` that keeps samples;
 - :mod:`~hetjax.inspect.observers` - :class:`Recorder`, an executor observer keeping
-  compiled programs, call counts and transfer bytes.
+  compiled programs, call counts and transfer bytes;
+- :mod:`~hetjax.inspect.probes` - observers that measure one step from inside:
+  :class:`LiveSampler` (stash bytes per stage) and :class:`AsyncTimer` (the measured
+  bubble of an unprofiled step).
 
 It reads programs, arrays and observer events only; it knows nothing of models,
 experiments or the executor (which it must not import).
@@ -28,13 +31,18 @@ from .memory import live_arrays as live_arrays
 from .memory import live_bytes_per_device as live_bytes_per_device
 from .memory import peak_bytes as peak_bytes
 from .observers import Recorder as Recorder
+from .probes import AsyncTimer as AsyncTimer
+from .probes import LiveSampler as LiveSampler
+from .probes import wait_alive as wait_alive
 from .timers import Timer as Timer
 
 __all__ = [
     "BACKEND_COMPILE_EVENT",
     "KINDS",
+    "AsyncTimer",
     "Collective",
     "CompileCounter",
+    "LiveSampler",
     "Recorder",
     "Timer",
     "array_bytes_per_device",
@@ -47,4 +55,5 @@ __all__ = [
     "peak_bytes",
     "replica_groups",
     "varied_axes",
+    "wait_alive",
 ]

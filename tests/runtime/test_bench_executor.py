@@ -1,6 +1,7 @@
-"""``python -m experiments.bench_executor --quick`` in a subprocess: JSON rows and the
-issue's three "done when" conditions (no recompiles after step 1, one DP reduction per
-parameter per step, 1F1B's activation bytes within (P - s) / M of GPipe's)."""
+"""``python -m experiments.bench_executor --quick`` in a subprocess: JSON rows of every
+placement and schedule the full run has, and the issue's three "done when" conditions
+(no recompiles after step 1, one DP reduction per parameter per step, 1F1B's activation
+bytes within (P - s) / M of GPipe's)."""
 
 import pytest
 
@@ -37,6 +38,24 @@ def test_rows_have_the_issue_keys(rows):
             assert len(row[key]) == stages, key
         assert row["step_time_s"] > 0 and row["dispatch_overhead_ratio"] > 0
         assert all(0.0 <= b <= 1.0 for b in row["bubble_simulated"])
+
+
+@pytest.mark.slow
+def test_every_placement_and_schedule_runs(rows):
+    """The full run's row kinds, each measured (issue 34: the colocated rows crashed in
+    the bubble measurement while the quick run had none of them)."""
+    assert {(r["placement"], r["schedule"]) for r in rows} == {
+        ("colocated", "1f1b"),
+        ("non-colocated", "1f1b"),
+        ("non-colocated", "gpipe"),
+        ("homogeneous", "1f1b"),
+        ("homogeneous", "gpipe"),
+    }
+    (colocated,) = [r for r in rows if r["placement"] == "colocated"]
+    assert len(colocated["stages"]) == 3  # vision, llm stage 0, llm stage 1
+    for row in rows:
+        assert all(0.0 <= b <= 1.0 for b in row["bubble_measured"]), row
+        assert all(b > 0 for b in row["peak_activation_bytes_per_stage"]), row
 
 
 @pytest.mark.slow
