@@ -105,3 +105,16 @@ def test_the_config_is_the_one_given(tmp_path):
     )
     assert trainer.config is config and config == frozen
     np.testing.assert_equal(trainer.microbatches, config.parallel.microbatches)
+
+
+def test_the_readme_shows_the_example_file():
+    """Every line of the README's Trainer example is in ``experiments/own_graph.py``
+    (a line ending in ``...  # note`` stands for a body left out)."""
+    from tests.launch import ROOT
+
+    section = (ROOT / "README.md").read_text().split("## Train your own graph", 1)[1]
+    block = section.split("```python\n", 1)[1].split("```", 1)[0]
+    source = {line.strip() for line in (ROOT / "experiments" / "own_graph.py").open()}
+    for line in block.splitlines():
+        shown = line.split(" ...", 1)[0].strip()
+        assert not shown or shown in source or shown + ":" in source, line
