@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from hetjax.runtime import TrainState, slice_stage
-from hetjax.runtime.programs import put_global
+from hetjax.runtime.placement import put_global
 from hetjax.runtime.state import merge_stages
 
 StageKey = tuple[str, int]

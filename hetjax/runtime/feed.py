@@ -20,7 +20,8 @@ from jax.sharding import NamedSharding
 
 from hetjax.meshes import batch_sharding, zigzag_permutation
 from hetjax.ops.token_routing import exchange_routes, token_routes
-from hetjax.runtime.programs import StageProgram, put_global
+from hetjax.runtime.placement import put_global
+from hetjax.runtime.programs import StageProgram
 from hetjax.runtime.transfer import LinkTransfer, Route
 
 

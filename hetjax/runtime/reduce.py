@@ -25,7 +25,8 @@ import numpy as np
 
 from hetjax.distributed.rendezvous import FirstCalls
 from hetjax.runtime.lowering import StageKey
-from hetjax.runtime.programs import StageProgram, put_global
+from hetjax.runtime.placement import put_global
+from hetjax.runtime.programs import StageProgram
 from hetjax.runtime.state import TrainState
 
 

@@ -34,7 +34,7 @@ from hetjax.boundary import (
 from hetjax.distributed.rendezvous import FirstCalls, signature
 from hetjax.meshes import BATCH_AXES, ModuleMesh, batch_sharding, sequence_axes
 from hetjax.ops.token_routing import Routed, exchange_routed, gather_routes, scatter_routes
-from hetjax.runtime.programs import owns_any, stand_in
+from hetjax.runtime.placement import owns_any, stand_in
 
 Direction = Literal["forward", "backward"]
 
