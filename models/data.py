@@ -104,16 +104,16 @@ class DataConfig:
     def validate(self) -> None:
         if self.seed < 0:  # numpy.random.default_rng([seed, index]) rejects it mid-run
             raise ValueError(
-                f"--seed {self.seed}: the data seed must be a non-negative integer; "
-                f"use e.g. --seed {-self.seed}"
+                f"seed={self.seed}: the data seed must be a non-negative integer; "
+                f"use e.g. seed={-self.seed}"
             )
         need = self.max_sample_tokens()
         if self.seq_len + 1 < need:
             raise ValueError(
-                f"--seq-len {self.seq_len} is too short: samples need up to {need} tokens "
+                f"seq_len={self.seq_len} is too short: samples need up to {need} tokens "
                 f"({self.image_tokens} image + {self.audio_tokens} audio placeholder tokens, "
                 f"prompt, answer, BOS and EOS), which is {need - 1} inputs once the targets "
-                f"are shifted by one; use --seq-len {need - 1} or more"
+                f"are shifted by one; use seq_len={need - 1} or more"
             )
 
 

@@ -110,8 +110,8 @@ def llava_config(cfg: Mapping[str, Any], name: str = "hf-llava") -> MLLMConfig:
     arch = cfg.get("architectures") or [cfg.get("model_type")]
     if cfg.get("model_type") != "llava":
         raise HFError(
-            f"unknown architecture {arch[0]!r}: --init-from takes a "
-            "LlavaForConditionalGeneration checkpoint (use --init MODULE=DIR for parts)"
+            f"unknown architecture {arch[0]!r}: model.init_from takes a "
+            "LlavaForConditionalGeneration checkpoint (use model.init MODULE=DIR for parts)"
         )
     if not cfg.get("multimodal_projector_bias", True):
         raise HFError("multimodal_projector_bias=false is not supported")

@@ -191,7 +191,7 @@ class LlavaData:
                 raise BadSample(
                     "image_truncated",
                     where,
-                    f"longer than --seq-len {c.seq_len} and the cut falls in an image's tokens",
+                    f"longer than seq_len={c.seq_len} and the cut falls in an image's tokens",
                 )
         images: list[np.ndarray | Pending] = []
         for p in paths:
@@ -375,5 +375,5 @@ def summary_counts(state: Mapping[str, Any]) -> dict[str, int]:
     """``reason text -> count`` of the records skipped so far, and the truncated ones."""
     out = {REASONS[r]: n for r, n in sorted(state["bad"].items()) if n}
     if state.get("truncated"):
-        out["truncated to --seq-len"] = int(state["truncated"])
+        out["truncated to model.seq_len"] = int(state["truncated"])
     return out

@@ -30,10 +30,10 @@ REASONS = {
     "no_conversations": "no conversations",
     "unknown_role": "unknown role",
     "image_count": "<image> tags != images",
-    "image_outside_folder": "image path outside --image-folder",
+    "image_outside_folder": "image path outside data.image_folder",
     "missing_image": "missing image file",
     "undecodable_image": "undecodable image",
-    "too_many_images": "more images than --max-images-per-microbatch allows per row",
+    "too_many_images": "more images than data.max_images_per_microbatch allows per row",
     "image_truncated": "truncation would cut an image",
 }
 

@@ -139,9 +139,9 @@ def test_seq_len_too_short_names_the_needed_length(preset):
     ds = _dataset(preset, seq_len=need - 1)
     longest = max(int(np.flatnonzero(ds.sample(i)["loss_mask"])[-1]) + 2 for i in range(200))
     assert longest <= need
-    with pytest.raises(ValueError, match=f"--seq-len {need - 1} or more"):
+    with pytest.raises(ValueError, match=f"seq_len={need - 1} or more"):
         _dataset(preset, seq_len=need - 2)
-    with pytest.raises(ValueError, match=f"--seq-len 8 is too short: samples need up to {need}"):
+    with pytest.raises(ValueError, match=f"seq_len=8 is too short: samples need up to {need}"):
         DataConfig.for_model(cfg, seq_len=8, seed=0).validate()
 
 
