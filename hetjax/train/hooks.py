@@ -8,6 +8,9 @@ at steps N, 2N, ... (1-based) and at the run's last step. Hooks run on every pro
 observers (the metrics file, progress, TensorBoard, plots: anything with ``on_step``
 but no ``after_step``) run on process 0 only.
 
+The ``trainer`` argument is the :class:`hetjax.train.Trainer` that runs the hook (typed
+``Any`` here so that this module and the trainer's do not import each other).
+
 Stock hooks: :class:`CheckpointHook` (saves), :class:`ProfileHook` (``jax.profiler``
 trace of a step range), :class:`TimelineHook` (the executor's timed last step as a Gantt
 chart and a Perfetto trace). Users subclass :class:`Hook` for their own.
@@ -17,10 +20,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from hetjax.train.trainer import Trainer
+from typing import Any
 
 
 class Hook:
@@ -41,14 +41,14 @@ class Hook:
         """Whether the hook runs at step ``step`` (0-based) of a run ending before ``end``."""
         return (step + 1) % self.every == 0 or step + 1 == end
 
-    def before_step(self, trainer: Trainer, step: int) -> None:
+    def before_step(self, trainer: Any, step: int) -> None:
         """Before step ``step`` is dispatched (called every step, ``every`` aside)."""
 
     def wants_profile(self, step: int) -> bool:
         """Whether step ``step`` should run timed (the executor waits on every program)."""
         return False
 
-    def after_step(self, trainer: Trainer, step: int, metrics: Mapping[str, Any]) -> None:
+    def after_step(self, trainer: Any, step: int, metrics: Mapping[str, Any]) -> None:
         """Right after step ``step`` was dispatched: ``trainer`` holds the state after it."""
 
     def on_step(self, step: int, metrics: Mapping[str, float]) -> None:
@@ -75,7 +75,7 @@ class CheckpointHook(Hook):
     def due(self, step: int, end: int) -> bool:
         return step + 1 == end if self.only_last else super().due(step, end)
 
-    def after_step(self, trainer: Trainer, step: int, metrics: Mapping[str, Any]) -> None:
+    def after_step(self, trainer: Any, step: int, metrics: Mapping[str, Any]) -> None:
         trainer.save(step + 1, metrics)
 
 
@@ -101,7 +101,7 @@ class ProfileHook(Hook):
         self.traced: list[int] = []
         self._annotation: Any = None
 
-    def before_step(self, trainer: Trainer, step: int) -> None:
+    def before_step(self, trainer: Any, step: int) -> None:
         import jax
 
         if self.first <= step <= self.last and not (self.tracing or self.done):
@@ -111,7 +111,7 @@ class ProfileHook(Hook):
             self._annotation = jax.profiler.StepTraceAnnotation("train", step_num=step)
             self._annotation.__enter__()
 
-    def after_step(self, trainer: Trainer, step: int, metrics: Mapping[str, Any]) -> None:
+    def after_step(self, trainer: Any, step: int, metrics: Mapping[str, Any]) -> None:
         if self._annotation is None:
             return
         import jax
@@ -150,10 +150,10 @@ class TimelineHook(Hook):
         super().__init__()
         self.path = path
         self.end: int | None = None
-        self.trainer: Trainer | None = None
+        self.trainer: Any | None = None
         self.lines: list[str] = []
 
-    def before_step(self, trainer: Trainer, step: int) -> None:
+    def before_step(self, trainer: Any, step: int) -> None:
         self.trainer, self.end = trainer, trainer.end
 
     def wants_profile(self, step: int) -> bool:

@@ -10,15 +10,12 @@ range (every process), and the timed last step's Gantt chart.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from hetjax.config import LoggingConfig
 from hetjax.files import ensure_writable_dir
 from hetjax.runtime.loop import JsonlWriter, ProgressBar, Summary
 from hetjax.train.hooks import ProfileHook, TimelineHook
-
-if TYPE_CHECKING:
-    from hetjax.train.trainer import Trainer
 
 
 def check_outputs(logging: LoggingConfig, *, lead: bool) -> None:
@@ -49,7 +46,7 @@ def check_outputs(logging: LoggingConfig, *, lead: bool) -> None:
             ) from None
 
 
-def logging_hooks(trainer: Trainer) -> list[Any]:
+def logging_hooks(trainer: Any) -> list[Any]:
     """The hooks of ``trainer.config.logging``, in the order they run.
 
     Process 0's observers (``on_step``/``on_end``; other processes drop them): metrics
@@ -79,7 +76,7 @@ def logging_hooks(trainer: Trainer) -> list[Any]:
     return hooks
 
 
-def _summary(trainer: Trainer) -> dict[str, Any]:
+def _summary(trainer: Any) -> dict[str, Any]:
     """The summary's set-up lines: model, devices, layout, batch, data."""
     import jax
 
