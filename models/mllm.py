@@ -157,7 +157,7 @@ class MLLM:
 
         Args:
             layouts: layout per module name (``vision``, ``audio``, ``llm``); every module
-                must have one (the CLI gives modules without ``--layout`` the LLM's).
+                must have one (the trainer gives modules without one the LLM's).
             freeze: modules or parts not trained (``vision`` is the encoder alone; LLaVA
                 stage 1 freezes ``vision, llm``, stage 2 ``vision``).
         """
@@ -215,8 +215,9 @@ class MLLM:
                 )
                 if seq_len is not None and layout.cp > 1 and seq_len % (2 * layout.cp):
                     raise LayoutError(
-                        f"llm: --seq-len {seq_len} must be divisible by 2*cp = {2 * layout.cp} "
-                        "(each context-parallel rank holds two mirrored chunks); use --seq-len "
+                        f"llm: model.seq_len={seq_len} must be divisible by 2*cp = "
+                        f"{2 * layout.cp} (each context-parallel rank holds two mirrored "
+                        "chunks); use model.seq_len="
                         f"{-(-seq_len // (2 * layout.cp)) * 2 * layout.cp}"
                     )
             else:
