@@ -7,12 +7,8 @@ transfers between stages and modules, then walks the plan's ops for every step a
 dispatches each asynchronously: JAX queues work per device set, so stages on different
 devices run concurrently while the Python loop moves on.
 
-Transfers: inside a module, a pipeline stage hands its activation to the next stage's
-submesh (same per-device layout, so a direct device-to-device copy); between modules, a
-boundary communicator (:mod:`hetjax.boundary`) moves it from the source's layout to the
-destination's, and its backward routes the gradient back. Into a ``cp > 1`` module that
-merges the tokens into placeholders (``ModuleSpec.token_slots``), each cp rank receives
-only the tokens of the positions it stores (:mod:`hetjax.runtime.feed`).
+Transfers between stages and modules (the ``SEND_F`` / ``SEND_B`` ops) are
+:mod:`hetjax.runtime.sends`'s.
 
 The step ends in :mod:`hetjax.runtime.reduce`. The state between steps is one pytree,
 :class:`~hetjax.runtime.state.TrainState`; observers (:mod:`hetjax.runtime.observers`)
@@ -38,13 +34,13 @@ from hetjax.runtime.feed import Feed
 from hetjax.runtime.graph import TrainGraph
 from hetjax.runtime.inflight import InFlight
 from hetjax.runtime.lowering import Mode, Op, ScheduleOrder, StageKey
-from hetjax.runtime.observers import Dispatch, Observers, Stash, Transfer
+from hetjax.runtime.observers import Dispatch, Observers, Stash
 from hetjax.runtime.optim import OptimizerConfig
 from hetjax.runtime.plan import RunPlan, plan_run
 from hetjax.runtime.programs import ParallelOptions, StageProgram
 from hetjax.runtime.reduce import StepMetrics, finish_step, finish_step_multiprocess
+from hetjax.runtime.sends import Sends
 from hetjax.runtime.state import TrainState, full_params
-from hetjax.runtime.transfer import LinkTransfer, StageTransfer
 
 
 class Executor:
@@ -141,24 +137,18 @@ class Executor:
                 placed, {k: p.init_opt_state(placed[k]) for k, p in self.programs.items()}
             )
         self.state = state
-        self.links = {
-            (l.src, l.dst): LinkTransfer(
-                self.meshes[l.src],
-                self.meshes[l.dst],
-                src_stage=self.graph.module(l.src).layout.pp - 1,
-                dst_stage=0,
-                multiprocess=self.multiprocess,
-                routed=(l.src, l.dst) in plan.routed,
-            )
-            for l in self.graph.links
-        }
-        self.stage_links = {
-            (spec.name, s): StageTransfer(self.meshes[spec.name], s, multiprocess=self.multiprocess)
-            for spec in self.graph.modules
-            for s in range(spec.layout.pp - 1)
-        }
-        self.op_times: dict[tuple[str, StageKey], list[float]] = defaultdict(list)
         self._inflight = InFlight(devices[0].platform == "cpu" and not self.multiprocess)
+        self.sends = Sends(
+            self.graph,
+            self.meshes,
+            {k: p.devices for k, p in self.programs.items()},
+            routed=plan.routed,
+            inflight=self._inflight,
+            observers=self.observers,
+            multiprocess=self.multiprocess,
+        )
+        self.links, self.stage_links = self.sends.links, self.sends.stage_links
+        self.op_times: dict[tuple[str, StageKey], list[float]] = defaultdict(list)
 
     def _input_grad(self, key: StageKey) -> bool | frozenset[str]:
         """What stage ``key``'s backward differentiates besides its trainable parameters:
@@ -285,16 +275,16 @@ class Executor:
                 # Free the output after its last send, so live activations follow the
                 # schedule's bound (1F1B: one per in-flight microbatch), not M.
                 y = (outbox.pop if op.last_send else outbox.get)((key, m))
-                sent = self._send_forward(op, feed, y)
+                sent = self.sends.forward(op, feed, y)
                 if op.peer[0] == key[0]:
                     inbox[(op.peer, m)] = sent
                 else:
-                    link = self._link_name(key[0], op.peer[0])
+                    link = self.sends.link_name(key[0], op.peer[0])
                     inbox.setdefault((op.peer, m), {})[link] = sent
             elif op.kind == "SEND_B":
                 gx = (grads_out.pop if op.last_send else grads_out.get)((key, m))
                 src = op.peer
-                g_src, collective = self._send_backward(op, feed, gx)
+                g_src, collective = self.sends.backward(op, feed, gx)
                 prev = grads_in.get((src, m))
                 local = self.programs[src].local  # a stand-in is not summed: no values
                 grads_in[(src, m)] = g_src if prev is None or not local else prev + g_src
@@ -327,52 +317,10 @@ class Executor:
             event = Dispatch(key, kind, op, args, out, t0, time.perf_counter())
             self.observers.on_dispatch(event)
 
-    def _link_name(self, src: str, dst: str) -> str:
-        return next(l.name for l in self.graph.links_into(dst) if l.src == src)
-
-    def _send_forward(self, op: Op, feed: Feed, y: Any) -> Any:
-        key, dst = op.stage, op.peer
-        devices = self.programs[key].devices | self.programs[dst].devices
-        if dst[0] == key[0]:  # a device-to-device copy: never a collective in one process
-            transfer = self.stage_links[key]
-            self._observe_transfer(op, key, dst, y, lambda: transfer.moved_bytes(y, "forward"))
-            self._inflight.wait(devices, transfer.boundary is not None)
-            return transfer.forward(y)
-        pair = (key[0], dst[0])
-        route = feed.route(pair, op.microbatch, y.shape[1])
-        link = self.links[pair]
-        self._observe_transfer(op, key, dst, y, lambda: link.moved_bytes(y, route, "forward"))
-        self._inflight.wait(devices, link.collective(y, route, "forward"))
-        return link.forward(y, route)
-
-    def _send_backward(self, op: Op, feed: Feed, gx: Any) -> tuple[Any, bool]:
-        """The cotangent moved to the peer stage, and whether moving it ran a collective."""
-        key, src = op.stage, op.peer
-        devices = self.programs[key].devices | self.programs[src].devices
-        if src[0] == key[0]:
-            transfer = self.stage_links[src]
-            self._observe_transfer(op, key, src, gx, lambda: transfer.moved_bytes(gx, "backward"))
-            collective = transfer.boundary is not None
-            self._inflight.wait(devices, collective)
-            return transfer.backward(gx), collective
-        pair = (src[0], key[0])
-        ct = gx[self._link_name(*pair)]
-        route = feed.existing_route(pair, op.microbatch)
-        link = self.links[pair]
-        self._observe_transfer(op, key, src, ct, lambda: link.moved_bytes(ct, route, "backward"))
-        collective = link.collective(ct, route, "backward")
-        self._inflight.wait(devices, collective)
-        return link.backward(ct, route), collective
-
     def _observe_stash(self, op: Op, value: Any, stash: Mapping) -> None:
         if self.observers.stash:
             live = sum(1 for k, _ in stash if k == op.stage)
             self.observers.on_stash(Stash(op, value, live))
-
-    def _observe_transfer(self, op: Op, src: StageKey, dst: StageKey, value, nbytes) -> None:
-        if self.observers.transfer:
-            event = Transfer(op, src, dst, src[0] != dst[0], value, int(nbytes()))
-            self.observers.on_transfer(event)
 
     def _finish(self, acc, losses, normalizer) -> StepMetrics:
         if self.multiprocess:
