@@ -17,7 +17,8 @@ inherits the LLM's layout without PP):
 - ``moe``: ``tiny-moe`` LLM ``dp=4,ep=2,tp=2`` (inherits ep=2 - a dense encoder reads it
   as data parallelism - and tp=2).
 
-``--quick`` (for the test) runs ``cp2`` only, with fewer timed steps (about a minute).
+``--quick`` (for the test) runs ``cp2`` and ``moe`` (each kind of inheritance: tp, cp,
+ep; both models), with fewer timed steps (about two minutes).
 
 One JSON row per (scenario, mode, module), with:
 
@@ -83,7 +84,9 @@ SCENARIOS = (
     Scenario("cp4", "tiny", {"vision": "dp=8", "llm": "dp=2,cp=4"}),
     Scenario("moe", "tiny-moe", {"vision": "dp=8", "llm": "dp=4,ep=2,tp=2"}),
 )
-QUICK = ("cp2",)  # inherits cp and tp; tp4 alone is covered by the program tests
+# cp2 inherits cp and tp, moe ep and tp on the MoE model; tp4 and cp4 alone are covered
+# by the program tests
+QUICK = ("cp2", "moe")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +94,7 @@ class BenchConfig:
     """What to run; flags map one-to-one onto these fields."""
 
     json: str | None = None  # where to write the rows (a JSON list); None: print only
-    quick: bool = False  # scenario cp2 only, fewer timed steps (for the test)
+    quick: bool = False  # scenarios cp2 and moe, fewer timed steps (for the test)
     steps: int = 5  # steps per executor (the first compiles; the rest are timed)
 
 
@@ -282,7 +285,7 @@ def parse_args(argv: list[str]) -> BenchConfig:
     p = OneLineParser(prog="bench_comm", description=__doc__.splitlines()[0])
     d = BenchConfig()
     p.add_argument("--json", default=d.json, help="write the rows as a JSON list")
-    p.add_argument("--quick", action="store_true", help="scenario cp2 only (about a minute)")
+    p.add_argument("--quick", action="store_true", help="scenarios cp2 and moe (for the test)")
     p.add_argument("--steps", type=positive_int, default=d.steps, help="steps per executor")
     return BenchConfig(**vars(p.parse_args(argv)))
 

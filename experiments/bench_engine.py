@@ -4,8 +4,10 @@
 
 Rows: recompute ``none`` / ``selective`` / ``full`` x placement ``colocated`` /
 ``non-colocated`` / ``homogeneous``, each one :class:`hetjax.Executor` of the ``small``
-preset on 8 simulated CPU devices (``--quick``, for the test: ``tiny``, non-colocated
-and the cp row), global batch 16 in 4 microbatches. Layouts: colocated vision ``dp=4,tp=2`` |
+preset on 8 simulated CPU devices, global batch 16 in 4 microbatches. ``--quick`` (for
+the test) runs every kind of row once on ``tiny``: the three policies non-colocated,
+colocated with ``none`` and homogeneous with ``full`` (``QUICK_POLICIES``), both cp rows,
+the dispatch row and the 2-process row. Layouts: colocated vision ``dp=4,tp=2`` |
 LLM ``dp=2,tp=2,pp=2``; homogeneous the same LLM, the encoder inheriting its layout on
 its first stage; non-colocated vision ``dp=4`` | LLM ``dp=2,pp=2`` on islands 4 + 4.
 Keys:
@@ -25,38 +27,37 @@ Keys:
   ``none`` / ``selective``; ``peak_stash_entries_per_stage`` the most entries.
 - ``step_time_s``: median wall time of steps 2..``--steps`` (CPU: indicative only).
 - ``cp_grad_reductions_per_step`` (the cp rows: colocated with the LLM
-  ``dp=2,cp=2,pp=2``, also in ``--quick``, and ``cp=2,tp=2,pp=2``; recompute ``none``):
-  how many program calls of one step
-  all-reduce parameter gradients over cp (:func:`cp_grad_reductions`); the goal of
+  ``dp=2,cp=2,pp=2``, and ``cp=2,tp=2,pp=2``; recompute ``none``): how many program
+  calls of one step all-reduce parameter gradients over cp (:func:`cp_grad_reductions`); the goal of
   issue 14 is 1: the LLM runs per cp rank (``StageProgram.cp_local``) and only the
   step's ``reduce`` sums over dp x cp (before, every microbatch's backward did: M).
 
-- ``dispatch_overhead_ratio`` (a last row, ``placement`` ``dispatch``, in ``--quick``
-  too): the host cost of walking a schedule. The ``tiny`` preset shrunk to negligible
-  compute (LLM width 16 and 4 layers, vision width 8, the shortest valid sequence),
-  non-colocated vision ``dp=4`` | LLM ``pp=4`` on islands 4 + 4, M = 8 microbatches of 8
-  samples: the median steady-state step of the executor (``dispatch_step_time_s``, each
-  step waited for; ``dispatch_host_time_s`` until ``step`` returns) over that of
+- ``dispatch_overhead_ratio`` (a last row, ``placement`` ``dispatch``): the host cost of
+  walking a schedule. The ``tiny`` preset shrunk to negligible compute (LLM width 16 and
+  4 layers, vision width 8, the shortest valid sequence), non-colocated vision ``dp=4`` |
+  LLM ``pp=4`` on islands 4 + 4, M = 8 microbatches of 8 samples: the median
+  steady-state step of the executor (``dispatch_step_time_s``, each step waited for;
+  ``dispatch_host_time_s`` until ``step`` returns) over that of
   :class:`hetjax.ReferenceTrainer`, one fused jit of the same step on the same 8 devices
   (``fused_step_time_s``). ``fused_1device_step_time_s`` and
   ``dispatch_overhead_ratio_1device``: the fused step on one device (no per-microbatch
   all-reduce over 8 device threads). Medians over ``DISPATCH_STEPS`` - 1 steps
-  (``--quick``: 4), all measured in the same run (the machine is shared: read the
-  ratio, not the times). Reported, not a goal the exit status checks.
-  The executor's step is host-bound (host time ~ step time). Measured on the 2-core
-  CPU (11 steps, Dec 2026, two runs back to back on an otherwise idle machine): executor
-  135 / 247 ms per step, fused on 8 devices 147 / 564 ms, fused on 1 device 115 / 140 ms,
-  so ``dispatch_overhead_ratio`` 0.92 / 0.44 and ``dispatch_overhead_ratio_1device``
-  1.18 / 1.76: the host's noise, not the code, sets the spread. The in-flight guard makes
-  no sync at all on this layout (``inflight_syncs_per_step`` 0: it waits only between
-  programs with collectives on shared devices, and here no two are in flight). Before the
-  dispatch work (eager per-shard boundary slices, a guard sync around every program,
+  (``--quick``: 4), all measured in the same run (the machine is shared: read the ratio,
+  not the times). Reported, not a goal the exit status checks. The executor's step is
+  host-bound (host time ~ step time). Measured on the 2-core CPU (11 steps, Dec 2026,
+  two runs back to back on an otherwise idle machine): executor 135 / 247 ms per step,
+  fused on 8 devices 147 / 564 ms, fused on 1 device 115 / 140 ms, so
+  ``dispatch_overhead_ratio`` 0.92 / 0.44 and ``dispatch_overhead_ratio_1device`` 1.18 /
+  1.76: the host's noise, not the code, sets the spread. The in-flight guard makes no
+  sync at all on this layout (``inflight_syncs_per_step`` 0: it waits only between
+  programs with collectives on shared devices, and here no two are in flight). Before
+  the dispatch work (eager per-shard boundary slices, a guard sync around every program,
   uncached shardings) the same step took ~210 ms, ~55 ms of it guard waits; under
   cProfile what is left is ~1.3 ms per XLA:CPU program launch (87 per step) and the
   boundary's batched ``device_put`` copies.
 
-- ``programs_compiled_per_process`` (a last row, ``processes`` 2, not in ``--quick``:
-  the non-colocated layout above, ``tiny``, 2 steps, run as 2 processes x 4 devices by
+- ``programs_compiled_per_process`` (a last row, ``processes`` 2: the non-colocated
+  layout above, ``tiny``, 2 steps, run as 2 processes x 4 devices by
   :func:`experiments.compile_counts.measure`, so vision is process 0's island and the
   LLM process 1's): per process, how many stage programs (``fwd`` / ``bwd`` / ``zeros``
   / ``reduce`` / ``update`` and the optimizer-state initialisation) it compiled;
@@ -95,10 +96,12 @@ LAYOUTS = {
     "non-colocated": {"vision": "dp=4", "llm": "dp=2,pp=2"},
     "homogeneous": {"vision": "dp=8", "llm": "dp=2,tp=2,pp=2"},
 }
-# The cp rows: the colocated layouts with the LLM context parallel (the second, not in
-# --quick, with tensor parallelism too).
+# The cp rows: the colocated layouts with the LLM context parallel (the second with
+# tensor parallelism too).
 CP_LAYOUTS = {"vision": "dp=4,tp=2", "llm": "dp=2,cp=2,pp=2"}
 CP_TP_LAYOUTS = {"vision": "dp=4,tp=2", "llm": "cp=2,tp=2,pp=2"}
+# --quick: each placement and policy once; the policies compared on one placement
+QUICK_POLICIES = {"colocated": ("none",), "non-colocated": POLICIES, "homogeneous": ("full",)}
 NONE_GOAL = 1.02  # flops_ratio with recompute none
 DISPATCH_GOAL = 1.2  # executor step / fused step on negligible compute (issue 14, reported)
 DISPATCH_LAYOUTS = {"vision": "dp=4", "llm": "pp=4"}
@@ -109,7 +112,7 @@ DISPATCH_STEPS = 10  # per trainer; the first compiles (--quick: 5)
 @dataclasses.dataclass(frozen=True)
 class BenchConfig:
     json: str | None = None  # where to write the rows (a JSON list); None: print only
-    quick: bool = False  # the tiny preset, non-colocated rows and the cp row (for the test)
+    quick: bool = False  # the tiny preset, every kind of row once (for the test)
     steps: int = 3  # steps per row (the first compiles)
 
 
@@ -348,31 +351,28 @@ def main(config: BenchConfig) -> list[dict]:
         DEVICES, quick=config.quick, steps=config.steps, global_batch=GLOBAL_BATCH
     )
     work["reference_flops"] = reference_flops(work)
-    placements = ("non-colocated",) if config.quick else tuple(LAYOUTS)
     t0 = time.perf_counter()
     rows = []
-    for placement in placements:
-        for policy in POLICIES:
+    for placement in LAYOUTS:
+        for policy in QUICK_POLICIES[placement] if config.quick else POLICIES:
             rows.append(run(policy, placement, work, config.steps))
             print(
                 f"  measured {placement} {policy} ({time.perf_counter() - t0:.0f} s)",
                 file=sys.stderr,
             )
-    rows.append(run("none", "colocated", work, config.steps, CP_LAYOUTS))
-    if not config.quick:
-        rows.append(run("none", "colocated", work, config.steps, CP_TP_LAYOUTS))
+    for layouts in (CP_LAYOUTS, CP_TP_LAYOUTS):
+        rows.append(run("none", "colocated", work, config.steps, layouts))
     rows.append(dispatch_row(work["devices"], 5 if config.quick else DISPATCH_STEPS))
     print_table([r for r in rows if "flops_ratio" in r])
     d = rows[-1]
-    if not config.quick:
-        rows.append(compile_row())
-        c = rows[-1]
-        print(
-            f"2 processes x 4 devices (non-colocated, tiny): stage programs compiled per process "
-            f"{c['programs_compiled_per_process']} vs {c['programs_compiled_single_process']} in"
-            f" one process (all compiles {c['compiles_per_process']} vs "
-            f"{c['compiles_single_process']}); losses differ by {c['loss_max_rel_diff']:.1e}"
-        )
+    rows.append(compile_row())
+    c = rows[-1]
+    print(
+        f"2 processes x 4 devices (non-colocated, tiny): stage programs compiled per process "
+        f"{c['programs_compiled_per_process']} vs {c['programs_compiled_single_process']} in"
+        f" one process (all compiles {c['compiles_per_process']} vs "
+        f"{c['compiles_single_process']}); losses differ by {c['loss_max_rel_diff']:.1e}"
+    )
     print(
         f"dispatch overhead (negligible compute, vision dp=4 | llm pp=4, M=8): executor "
         f"{d['dispatch_step_time_s'] * 1e3:.1f} ms (host {d['dispatch_host_time_s'] * 1e3:.1f}"
@@ -399,5 +399,5 @@ if __name__ == "__main__":
         BenchConfig,
         prog="bench_engine",
         doc=__doc__,
-        quick="tiny preset, non-colocated rows and the cp row",
+        quick="tiny preset, every kind of row once",
     )

@@ -1,6 +1,6 @@
-"""``python -m experiments.bench_comm --quick`` in a subprocess: the JSON rows and the
-condition (the heterogeneous encoder moves fewer collective bytes than a homogeneous one
-that inherits tp > 1 or cp > 1)."""
+"""``python -m experiments.bench_comm --quick`` in a subprocess: the JSON rows (both
+modes, a dense and the MoE model) and the condition (the heterogeneous encoder moves
+fewer collective bytes than a homogeneous one that inherits tp > 1 or cp > 1)."""
 
 import pytest
 
@@ -37,6 +37,7 @@ def encoder_bytes(rows, scenario, mode) -> int:
 
 @pytest.mark.slow
 def test_rows_have_the_keys(rows):
+    assert {r["scenario"] for r in rows} == {"cp2", "moe"}  # dense cp and tp; MoE ep and tp
     assert {(r["mode"], r["module"]) for r in rows} == {
         (m, n) for m in ("heterogeneous", "homogeneous") for n in ("vision", "llm")
     }
