@@ -8,6 +8,8 @@ notebook) build one resolved config and pass it down; nothing below re-parses se
 This package imports neither ``models`` nor ``experiments``.
 """
 
+from .fields import InvalidConfigError as InvalidConfigError
+from .fields import Leaf as Leaf
 from .io import dump as dump
 from .io import flatten as flatten
 from .io import from_dict as from_dict
@@ -20,8 +22,6 @@ from .io import to_dict as to_dict
 from .tree import CheckpointConfig as CheckpointConfig
 from .tree import DataConfig as DataConfig
 from .tree import DistributedConfig as DistributedConfig
-from .tree import InvalidConfigError as InvalidConfigError
-from .tree import Leaf as Leaf
 from .tree import LoggingConfig as LoggingConfig
 from .tree import ModelConfig as ModelConfig
 from .tree import OptimizerConfig as OptimizerConfig

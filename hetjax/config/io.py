@@ -25,7 +25,8 @@ from typing import Any
 
 import yaml
 
-from hetjax.config.tree import InvalidConfigError, Leaf, TrainConfig, leaves, sections
+from hetjax.config.fields import InvalidConfigError, Leaf
+from hetjax.config.tree import TrainConfig, leaves, sections
 from hetjax.meshes import Layout
 
 
