@@ -1,7 +1,7 @@
 """Activation recompute policies: the one definition the config, the graph and the planner import.
 
 What a trained pipeline stage keeps between its forward and its backward (see
-:mod:`hetjax.runtime.programs` for how the engine runs each):
+:mod:`hetjax.runtime.vjp` for how the engine runs each):
 
 - ``none`` keeps the residuals of ``jax.vjp`` and replays nothing;
 - ``selective`` keeps the outputs of the weight matmuls (dot_generals without batch

@@ -105,7 +105,7 @@ def parallel_context(
 
 def cp_is_manual(axis: str = "cp") -> bool:
     """Whether the code being traced runs per ``axis`` rank: inside a ``shard_map`` manual
-    over it (the stage programs' once-per-step CP reduction, ``hetjax.runtime.programs``).
+    over it (the stage programs' once-per-step CP reduction, ``hetjax.runtime.replicas``).
     Ops that would ``shard_map`` over cp then call their per-rank kernels directly."""
     return axis in jax.sharding.get_abstract_mesh().manual_axes
 

@@ -9,7 +9,7 @@ Model FLOPs follow the usual MFU rule, per part, from the part's forward FLOPs `
 - a frozen part with nothing trainable upstream ``F``: it runs forward only.
 
 Hardware FLOPs add what the executor really recomputes, by the module's activation
-policy (``ModuleSpec.recompute``, see :mod:`hetjax.runtime.programs`): ``none`` nothing;
+policy (``ModuleSpec.recompute``, see :mod:`hetjax.runtime.vjp`): ``none`` nothing;
 ``selective`` the weightless matmuls of attention (QK^T, PV: ``attention``) of every
 stage with a backward (element-wise work is not counted); ``full`` every stage with a
 backward re-runs its forward inside it (``jax.vjp`` on the stashed input), except the
