@@ -40,9 +40,11 @@ the curve less than a seed does. Keys of the one JSON row:
   ``fp32_accumulation``: the accumulators and the reduction are all ``f32``.
 - ``step_time_s``: median wall time of a step, per run.
 
-``--quick`` (for the test): the smallest run that reads every key: ``tiny`` cut to one
-layer per module at sequence 48, 2 devices (vision and LLM ``dp=2``), batch 4, a
-2-step moving average and ``--steps`` 4 by default (the overlap is then not a finding).
+``--quick`` (for the test): the smallest run that reads every key and keeps the full
+run's kinds of program (both modes, a pipelined LLM under the three-phase schedule, a
+data-parallel gradient reduction): ``tiny`` cut to one vision and two LLM layers at
+sequence 48, 4 devices (vision ``dp=4``, LLM ``dp=2,pp=2``), batch 8, a 2-step moving
+average and ``--steps`` 4 by default (the overlap is then not a finding).
 
 ``goal_met``: the curves overlap and the accumulation is f32 (``goal_missed``: why not);
 a benchmark reports it, printed and in the row, and exits 0 either way. Bad flags are
@@ -65,9 +67,10 @@ GLOBAL_BATCH = 16
 MICROBATCHES = 2
 MA_WINDOW = 10
 LAYOUTS = {"vision": "dp=8", "llm": "dp=2,tp=2,pp=2"}
-# --quick: fewer devices, no pipeline, one layer: fewer and smaller programs to compile
-QUICK_DEVICES, QUICK_LAYOUTS = 2, {"vision": "dp=2", "llm": "dp=2"}
-QUICK_LAYERS, QUICK_SEQ, QUICK_BATCH, QUICK_MA_WINDOW, QUICK_STEPS = 1, 48, 4, 2, 4
+# --quick: fewer devices, no tp, a layer per stage: fewer and smaller programs to compile
+QUICK_DEVICES, QUICK_LAYOUTS = 4, {"vision": "dp=4", "llm": "dp=2,pp=2"}
+QUICK_LAYERS = {"vision": 1, "llm": 2}
+QUICK_SEQ, QUICK_BATCH, QUICK_MA_WINDOW, QUICK_STEPS = 48, 8, 2, 4
 RUNS = (("hetero", "colocated", 0), ("homo", "homogeneous", 0), ("homo_seed1", "homogeneous", 1))
 PROBE = ("llm", 0)  # the stage whose programs' dtypes are read
 
@@ -75,7 +78,7 @@ PROBE = ("llm", 0)  # the stage whose programs' dtypes are read
 @dataclasses.dataclass(frozen=True)
 class BenchConfig:
     json: str | None = None  # where to write the row (a JSON list of one); None: print only
-    quick: bool = False  # 2 devices, one layer, few steps (for the test)
+    quick: bool = False  # 4 devices, a layer per stage, few steps (for the test)
     steps: int | None = None  # steps per run; None: 200 (QUICK_STEPS with --quick)
     dtype: str = "bfloat16"  # compute dtype: bfloat16 or float32
     seed_kind: str = "run"  # what homo_seed1 varies: run (both, llava_train's --seed), init, data
@@ -155,7 +158,7 @@ def train(mode: str, seed: int, work: dict, steps: int, rec: Any = None) -> tupl
 def main(config: BenchConfig, devices: list | None = None) -> list[dict]:
     """Runs the three trainings, prints a summary and whether the goal is met, writes
     JSON. ``devices``: the ones to use when a JAX backend already runs (a test calling
-    it in-process; the first 2 with ``--quick``); None: set up here."""
+    it in-process; the first 4 with ``--quick``); None: set up here."""
     from experiments.cli import ConfigError, finish_rows, setup_devices, share_compiles
 
     window = QUICK_MA_WINDOW if config.quick else MA_WINDOW
@@ -179,8 +182,8 @@ def main(config: BenchConfig, devices: list | None = None) -> list[dict]:
     if config.quick:
         cfg = dataclasses.replace(
             cfg,
-            llm=dataclasses.replace(cfg.llm, depth=QUICK_LAYERS),
-            vision=dataclasses.replace(cfg.vision, depth=QUICK_LAYERS),
+            llm=dataclasses.replace(cfg.llm, depth=QUICK_LAYERS["llm"]),
+            vision=dataclasses.replace(cfg.vision, depth=QUICK_LAYERS["vision"]),
             seq_len=QUICK_SEQ,
         )
     cache = share_compiles("bench_bf16_")  # the second homogeneous run loads the first's
@@ -237,7 +240,7 @@ def main(config: BenchConfig, devices: list | None = None) -> list[dict]:
     if not fp32:
         missed.append(f"gradient accumulation or reduction is not float32: {dtypes}")
     row = {
-        "preset": "tiny" if not config.quick else f"tiny, {QUICK_LAYERS} layer per module",
+        "preset": "tiny" if not config.quick else f"tiny, layers {QUICK_LAYERS}",
         "quick": config.quick,
         "dtype": config.dtype,
         "steps": steps,

@@ -11,6 +11,7 @@ import jax
 import pytest
 
 from experiments.bench_bf16 import QUICK_STEPS, BenchConfig, ma_diff, main, moving_average
+from hetjax import Layout
 from tests import launch
 
 
@@ -39,6 +40,9 @@ def quick(tmp_path_factory):
 def test_quick_run_reports_curves_and_fp32_reduction(quick):
     row, printed = quick
     assert row["quick"] is True and row["steps"] == QUICK_STEPS
+    # the full run's kinds of program: a pipelined LLM (three-phase schedule), dp > 1
+    llm = Layout.parse(row["layouts"]["llm"])
+    assert llm.pp > 1 and llm.dp > 1
     # both layouts at both seeds; the seed is the run's (initialisation and data)
     assert set(row["losses"]) == {"hetero", "homo", "hetero_seed1", "homo_seed1"}
     assert row["seed_varied"].startswith("the run's seed")
