@@ -85,7 +85,8 @@ def setup_devices(
     """Returns the devices to train on: in a multi-process run, every process's.
 
     Single process: ``requested`` devices, simulated on CPU when there is no GPU
-    (``default_cpu`` if None); must run before anything touches a JAX backend.
+    (``default_cpu`` if None); run it before anything touches a JAX backend, or (JAX
+    already running: a notebook, the tests) it takes the first of the devices there are.
     Multi-process (after :func:`hetjax.distributed.initialize`, which already fixed the
     CPU device count per process): all global devices, in ``jax.devices()`` order; on
     GPU, ``requested`` keeps the first ``requested`` devices of each process.
@@ -111,15 +112,20 @@ def setup_devices(
         for d in devices:
             by_process[d.process_index].append(d)
         return [d for p in sorted(by_process) for d in by_process[p][:requested]]
-    jax.config.update("jax_num_cpu_devices", requested or default_cpu)
+    try:
+        jax.config.update("jax_num_cpu_devices", requested or default_cpu)
+    except RuntimeError:
+        # JAX already runs in this process (a notebook; the tests, which run entry
+        # points in the test process): its devices are fixed, so take the first ones.
+        pass
     devices = jax.devices()
-    if devices[0].platform == "cpu":
-        return devices[: requested or default_cpu]
     if requested is not None and requested > len(devices):
         raise ConfigError(
             f"--devices {requested} but only {len(devices)} {devices[0].platform} devices are "
             f"visible; use --devices {len(devices)} or fewer"
         )
+    if devices[0].platform == "cpu":
+        return devices[: requested or default_cpu]
     return devices[: requested or len(devices)]
 
 

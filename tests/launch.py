@@ -7,16 +7,28 @@ timeout. That environment is the test process's own, which conftest fills before
 starts: CPU devices, XLA flags (:mod:`tests._xla`) and the shared compilation cache, so
 a subprocess compiles like the tests around it and reuses their programs. The processes
 of a multi-process job set their own device count instead (``own_devices``).
+
+A test that only needs what an entry point prints, writes and returns runs it in the
+test process instead (:func:`run_main`): no interpreter start, no JAX import, and the
+programs the test process already traced or loaded stay there.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import io
 import json
+import logging
 import os
+import runpy
+import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Callable, Mapping, Sequence
+import traceback
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -156,7 +168,99 @@ def process_lines(text: str, process: int) -> list[str]:
     return [line[len(prefix) :] for line in text.splitlines() if line.startswith(prefix)]
 
 
-def check_ok(result: subprocess.CompletedProcess) -> None:
+@dataclasses.dataclass(frozen=True)
+class Result:
+    """What an entry point run in the test process returned and printed."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def run_main(module: str, *argv: str, log_compiles: bool = False) -> Result:
+    """Runs ``python -m module *argv`` in the test process, as a fresh process would run
+    it: the module's ``__main__`` block with ``sys.argv`` set, its exit code (``sys.exit``,
+    2 for :func:`experiments.cli.run_cli`'s one-line errors; 1 and the traceback on
+    stderr for an uncaught exception), and what it printed on stdout and stderr
+    (warnings and errors logged included, as bare messages).
+
+    The entry point finds JAX running with the test process's 8 CPU devices; a run that
+    asks for fewer (``--devices 2``) gets the first ones (:func:`experiments.cli.
+    setup_devices`). It joins no job: the test process is one single-process job.
+    What the run changes in the process (environment, ``sys`` hooks, signal handlers,
+    logging, JAX's config) is put back afterwards.
+
+    Args:
+      log_compiles: JAX logs every trace and compile on stderr (``JAX_LOG_COMPILES=1``).
+    """
+    import jax
+
+    from hetjax import distributed
+
+    out, err = io.StringIO(), io.StringIO()
+    with _isolated(err):
+        jax.devices()  # the backend starts here, with the suite's devices, if not yet
+        distributed.initialize()  # once per test process; a run's own call returns its info
+        if log_compiles:
+            jax.config.update("jax_log_compiles", True)
+        sys.argv = [module, *argv]
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = _exit_code(module)
+    return Result(code, out.getvalue(), err.getvalue())
+
+
+def _exit_code(module: str) -> int:
+    """Runs ``module`` as ``__main__``; its exit status, reported as Python would."""
+    try:
+        with warnings.catch_warnings():
+            # Already imported by a test: running it as __main__ again is what we want.
+            warnings.filterwarnings("ignore", "'.*' found in sys.modules", RuntimeWarning)
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            return e.code or 0
+        print(e.code, file=sys.stderr)
+        return 1
+    except Exception:
+        traceback.print_exc()
+        return 1
+    return 0
+
+
+@contextlib.contextmanager
+def _isolated(err: io.StringIO) -> Iterator[None]:
+    """Puts back what a run may change in the process; meanwhile, log records of
+    warnings and errors are written to ``err`` as bare messages (a fresh process's
+    last-resort handler, whatever handlers earlier imports installed)."""
+    import jax
+
+    environ, argv, hook = dict(os.environ), sys.argv, sys.unraisablehook
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    config = dict(jax.config.values)
+    root = logging.getLogger()
+    root_handlers, root_level = root.handlers[:], root.level
+    capture = logging.StreamHandler(err)
+    capture.setLevel(logging.WARNING)
+    for key in [k for k in os.environ if k.startswith(_JOB_VARIABLES)]:
+        del os.environ[key]
+    root.handlers = [capture]
+    root.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        root.handlers = root_handlers
+        root.setLevel(root_level)
+        for key, value in config.items():
+            if jax.config.values.get(key) != value:
+                jax.config.update(key, value)
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+        sys.argv, sys.unraisablehook = argv, hook
+        os.environ.clear()
+        os.environ.update(environ)
+
+
+def check_ok(result: subprocess.CompletedProcess | Result) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
 

@@ -4,12 +4,12 @@ plus a file of bad records), packed (``--pack``): the loss falls, ``--skip-bad-s
 counts every reason in the run summary, the data metrics are logged, and a run stopped
 and resumed from its checkpoint sees exactly the batches an uninterrupted run would
 (recomputed here, in process, from the same resolved config). Bad input without the flag
-stops with one line before anything compiles."""
+stops with one line before anything compiles. The runs run in the test process
+(:func:`tests.launch.run_main`)."""
 
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -32,8 +32,8 @@ BAD = [
 ]
 
 
-def _train(*args: str) -> subprocess.CompletedProcess:
-    return launch.run(launch.TRAIN, *args)
+def _train(*args: str) -> launch.Result:
+    return launch.run_main(launch.TRAIN, *args)
 
 
 @pytest.fixture(scope="module")

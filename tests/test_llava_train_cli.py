@@ -1,10 +1,12 @@
-"""End-to-end: ``python -m experiments.llava_train`` in a subprocess.
+"""End-to-end: ``python -m experiments.llava_train``, run in the test process
+(:func:`tests.launch.run_main`) except for one bad input, which a real process must also
+report in one line.
 
-Successful runs are started one after the other in a module fixture; the bad-input runs
-(which never reach a device) all at once; then each is checked by its own test. Bad
-input must fail before JAX compiles anything: the error runs set ``JAX_LOG_COMPILES=1``,
-so a compilation would show up in stderr; apart from those log lines, stderr must be
-exactly the one error line.
+Successful runs run one after the other in a module fixture, then the bad-input runs
+(which never reach a device); then each is checked by its own test. Bad input must fail
+before JAX compiles anything: the error runs log JAX's compilations
+(``JAX_LOG_COMPILES=1``), so a compilation would show up in stderr; apart from those log
+lines, stderr must be exactly the one error line.
 """
 
 import json
@@ -12,10 +14,9 @@ import re
 
 import pytest
 
+from tests import launch
 from tests.launch import ROOT
 from tests.launch import check_ok as _check_ok
-from tests.launch import finish as _finish
-from tests.launch import start_train as _start
 
 METRIC_KEYS = {
     "step",
@@ -46,26 +47,26 @@ RUNS = {
 FLOP_KEYS = {"model_tflops_per_step", "hardware_tflops_per_step", "tflops_per_s"}
 
 
+def _train(*args: str, log_compiles: bool = False) -> launch.Result:
+    return launch.run_main(launch.TRAIN, *args, log_compiles=log_compiles)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    # One after the other: concurrent training processes on a 2-core machine have
-    # aborted in an XLA:CPU all-reduce rendezvous timeout (see the report of this suite).
     tmp = tmp_path_factory.mktemp("cli")
     # tiny_b (and from_config) reuse tiny_a's executables from the suite's persistent
-    # compilation cache, which every run inherits (tests/conftest.py; other modules' runs
-    # of the same programs load them too); their losses must still match: same data,
-    # init and dispatch.
+    # compilation cache (tests/conftest.py; other modules' runs of the same programs load
+    # them too); their losses must still match: same data, init and dispatch.
     results, rows = {}, {}
     # tiny_a's run again, from the file --print-config writes (with a different --steps,
     # which the command line then overrides): the same resolved config must give the
     # same losses.
-    printed = _finish({"print": _start(["--print-config", *RUNS["tiny_a"], "--steps", "7"])})
-    results.update(printed)
-    (tmp / "run.yaml").write_text(printed["print"].stdout)
+    results["print"] = _train("--print-config", *RUNS["tiny_a"], "--steps", "7")
+    (tmp / "run.yaml").write_text(results["print"].stdout)
     runs = {**RUNS, "from_config": ["--config", str(tmp / "run.yaml"), "--steps", "3"]}
     for name, args in runs.items():
         path = tmp / f"{name}.jsonl"
-        results.update(_finish({name: _start([*args, "--metrics", str(path)])}))
+        results[name] = _train(*args, "--metrics", str(path))
         text = path.read_text() if path.exists() else ""
         rows[name] = [json.loads(line) for line in text.splitlines()]
     return results, rows
@@ -191,15 +192,18 @@ BAD_INPUT = {
 }
 
 
+# The case that a real ``python -m`` process reports: one line, exit code 2.
+IN_A_PROCESS = "islands-too-big"
+
+
 @pytest.fixture(scope="module")
 def bad_runs():
     # "--steps 2" first: a later flag of the case overrides it, and a run that wrongly
     # starts training stays short.
-    procs = {
-        name: _start(["--steps", "2", *args], {"JAX_LOG_COMPILES": "1"})
-        for name, (args, _) in BAD_INPUT.items()
-    }
-    return _finish(procs)
+    args = {name: ["--steps", "2", *a] for name, (a, _) in BAD_INPUT.items()}
+    proc = launch.start_train(args.pop(IN_A_PROCESS), {"JAX_LOG_COMPILES": "1"})
+    results = {name: _train(*a, log_compiles=True) for name, a in args.items()}
+    return results | launch.finish({IN_A_PROCESS: proc})
 
 
 @pytest.mark.parametrize("case", sorted(BAD_INPUT))
@@ -218,3 +222,7 @@ def test_bad_input_is_one_line_before_compiling(bad_runs, case):
     for pattern in patterns:
         assert re.search(pattern, line), (pattern, line)
     assert "hetjax run summary" not in result.stdout
+
+
+def test_a_process_exits_2_on_bad_input(bad_runs):
+    assert bad_runs[IN_A_PROCESS].returncode == 2

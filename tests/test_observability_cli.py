@@ -1,9 +1,10 @@
 """End-to-end observability: ONE tiny 5-step ``llava_train`` run with every output on.
 
 ``--metrics``, ``--tensorboard``, ``--profile-steps 2:3 --profile-dir``, ``--plot`` and
-``--timeline`` are given together (one subprocess for the whole module, as CI time is
-tight); each test checks one output against the JSONL or the run's own facts. The run's
-stdout and stderr are pipes, so the progress output must be plain lines.
+``--timeline`` are given together (one run for the whole module, in the test process:
+:func:`tests.launch.run_main`); each test checks one output against the JSONL or the
+run's own facts. The run's stdout and stderr are not terminals (captured, as pipes
+would be), so the progress output must be plain lines.
 """
 
 import gzip
@@ -13,9 +14,8 @@ import struct
 
 import pytest
 
+from tests import launch
 from tests.launch import check_ok as _check_ok
-from tests.launch import finish as _finish
-from tests.launch import start_train as _start
 
 STEPS = 5
 ARGS = ["--steps", str(STEPS), "--devices", "2", "--global-batch", "8"]
@@ -34,7 +34,7 @@ def run(tmp_path_factory):
     args = [*ARGS, "--metrics", str(out["metrics"]), "--tensorboard", str(out["tensorboard"])]
     args += ["--profile-steps", "2:3", "--profile-dir", str(out["profile"])]
     args += ["--plot", str(out["plot"]), "--timeline", str(out["timeline"])]
-    result = _finish({"run": _start(args)})["run"]
+    result = launch.run_main(launch.TRAIN, *args)
     _check_ok(result)
     rows = [json.loads(line) for line in out["metrics"].read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(STEPS))

@@ -1,14 +1,16 @@
-"""Checkpoints end to end: ``python -m experiments.llava_train --checkpoint-dir`` in
-subprocesses that are killed, stopped, resumed, resumed in another layout, or given bad
-input.
+"""Checkpoints end to end: ``python -m experiments.llava_train --checkpoint-dir`` runs
+that are killed, stopped, resumed, resumed in another layout, or given bad input. The
+runs that are killed, and the one given a truncated checkpoint (which must be one line
+however the process ends), are processes; the others run in the test process
+(:func:`tests.launch.run_main`).
 
 Every run is ``tiny`` with ``--global-batch 16 --microbatches 2`` for ``--steps 8`` on 8
 simulated CPU devices. One uninterrupted run is the reference, and runs first; the runs
 that a resume continues (killed after step 5 was logged, killed while a save was being
-written, ended by ``--stop-after 5``) and the diverging ones start together after it, the
-resumes (one in another layout) and the bad checkpoints together after them. A resumed run in
-the same layout must give the reference's losses bit for bit (FP32); in another layout at
-rtol 1e-5.
+written, ended by ``--stop-after 5``) and the diverging ones come after it (the ones in
+the test process while the killed ones' processes run), the resumes (one in another
+layout) and the bad checkpoints after them. A resumed run in the same layout must give
+the reference's losses bit for bit (FP32); in another layout at rtol 1e-5.
 
 The metrics JSONL of a resumed run is appended to, numbered by global step: rows that
 the killed run logged after its last complete checkpoint are written again by the
@@ -28,12 +30,14 @@ import os
 import re
 import shutil
 import signal
+import threading
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from tests import launch
 from tests.launch import check_ok as _check_ok
 from tests.launch import finish as _finish
 from tests.launch import rows as _rows
@@ -136,6 +140,27 @@ def _resumed_from(result, directory: Path) -> int:
     return int(step)
 
 
+def _train(*args: str, log_compiles: bool = False) -> launch.Result:
+    return launch.run_main(launch.TRAIN, *args, log_compiles=log_compiles)
+
+
+def _kill_when_due(procs: dict, d: dict[str, Path], m: dict[str, Path], killed: dict) -> None:
+    """Kills ``crash`` once it logged step 5, and ``midsave`` during a save (see
+    :func:`_kill_mid_save`); what each left goes into ``killed``."""
+    while len(killed) < 2 and any(procs[n].poll() is None for n in ("crash", "midsave")):
+        crash = procs["crash"]
+        if "crash" not in killed and any(s >= 5 for s in _logged(m["crash"])):
+            crash.kill()  # SIGKILL
+            crash.wait()
+            killed["crash"] = {"rows": m["crash"].read_text(), "complete": _complete(d["crash"])}
+        if "midsave" not in killed and procs["midsave"].poll() is None:
+            got = _kill_mid_save(procs["midsave"], d["midsave"])
+            if got is not None:
+                procs["midsave"].wait()
+                killed["midsave"] = got | {"rows": m["midsave"].read_text()}
+        time.sleep(0.002)
+
+
 def _losses(rows: list[dict]) -> dict[int, float]:
     """Step -> loss, the last row of each step winning (a resumed run's)."""
     return {r["step"]: r["loss"] for r in rows}
@@ -143,9 +168,8 @@ def _losses(rows: list[dict]) -> dict[int, float]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The reference, then two rounds of concurrent runs: the runs that a resume
-    continues (two of them killed by this fixture), then the resumes and the bad
-    checkpoints."""
+    """The reference, then two rounds: the runs that a resume continues (two of them
+    processes that this fixture kills), then the resumes and the bad checkpoints."""
     tmp = tmp_path_factory.mktemp("ckpt_cli")
     d = {name: tmp / name for name in ("whole", "crash", "midsave", "stop5", "nonfinite", "skip")}
     m = {name: tmp / f"{name}.jsonl" for name in (*d, "relayout")}
@@ -162,23 +186,15 @@ def runs(tmp_path_factory):
         if name != "whole":
             args += ["--metrics", str(m[name])]
     # The reference runs alone first: it fills the shared compilation cache (see
-    # tests/conftest.py), so the five runs started next load its executables instead of
-    # all compiling the same programs at once on a 2-core machine.
-    results = _finish({"whole": _start(first.pop("whole"))})
-    procs = {name: _start(args) for name, args in first.items()}
+    # tests/conftest.py), so the runs after it load its executables instead of all
+    # compiling the same programs at once on a 2-core machine.
+    results = {"whole": _train(*first.pop("whole"))}
+    procs = {name: _start(first[name]) for name in ("crash", "midsave")}
     killed: dict[str, dict] = {}
-    while len(killed) < 2 and any(procs[n].poll() is None for n in ("crash", "midsave")):
-        crash = procs["crash"]
-        if "crash" not in killed and any(s >= 5 for s in _logged(m["crash"])):
-            crash.kill()  # SIGKILL
-            crash.wait()
-            killed["crash"] = {"rows": m["crash"].read_text(), "complete": _complete(d["crash"])}
-        if "midsave" not in killed and procs["midsave"].poll() is None:
-            got = _kill_mid_save(procs["midsave"], d["midsave"])
-            if got is not None:
-                procs["midsave"].wait()
-                killed["midsave"] = got | {"rows": m["midsave"].read_text()}
-        time.sleep(0.002)
+    killer = threading.Thread(target=_kill_when_due, args=(procs, d, m, killed), daemon=True)
+    killer.start()
+    results |= {name: _train(*args) for name, args in first.items() if name not in procs}
+    killer.join()
     results |= _finish(procs)
     saved = {name: _complete(path) for name, path in d.items()}
 
@@ -202,7 +218,9 @@ def runs(tmp_path_factory):
         "truncated": [*RUN, "--checkpoint-dir", str(bad["truncated"])],
     }
     second["relayout"] += ["--metrics", str(m["relayout"])]
-    results |= _finish({name: _start(args) for name, args in second.items()})
+    truncated = _start(second.pop("truncated"))
+    results |= {name: _train(*args) for name, args in second.items()}
+    results |= _finish({"truncated": truncated})
     after = {name: _snapshot(path) for name, path in bad.items()}
     rows = {name: _rows(path) for name, path in m.items()}
     return dict(
@@ -437,8 +455,8 @@ def test_skipping_keeps_the_state_and_stops_after_n_nonfinite_steps_in_a_row(run
 
 @pytest.fixture(scope="module")
 def early_errors(tmp_path_factory):
-    """Runs that must fail before anything compiles, all at once; JAX_LOG_COMPILES=1
-    would show a compilation in stderr."""
+    """Runs that must fail before anything compiles, with JAX's compilations logged
+    (``JAX_LOG_COMPILES=1``): one would show in stderr."""
     tmp = tmp_path_factory.mktemp("ckpt_cli_bad")
     (tmp / "file").write_text("not a directory\n")
     (tmp / "foreign").mkdir()
@@ -449,8 +467,7 @@ def early_errors(tmp_path_factory):
         "foreign": ["--checkpoint-dir", str(tmp / "foreign")],
     }
     before = _snapshot(tmp)
-    env = {"JAX_LOG_COMPILES": "1"}
-    results = _finish({name: _start([*RUN, *a], env) for name, a in args.items()})
+    results = {name: _train(*RUN, *a, log_compiles=True) for name, a in args.items()}
     return results, before, _snapshot(tmp)
 
 

@@ -320,9 +320,7 @@ def test_profiled_step_draws_timeline(run, tiny, tmp_path):
 def test_cli_timeline_writes_png(tmp_path):
     png = tmp_path / "timeline.png"
     flags = ["--steps", "2", "--global-batch", "16", "--microbatches", "2"]
-    result = launch.run(
-        launch.TRAIN, *flags, "--timeline", str(png), env={"JAX_PLATFORMS": "cpu"}, timeout=600
-    )
+    result = launch.run_main(launch.TRAIN, *flags, "--timeline", str(png))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
     assert png.read_bytes()[:8] == PNG_SIGNATURE
