@@ -17,6 +17,7 @@ import os
 import pkgutil
 import sys
 import tempfile
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -205,11 +206,26 @@ def run_cli(main: Callable[[list[str]], int], prog: str) -> NoReturn:
         # Python would print each as "Exception ignored in ..." - thousands of lines,
         # timing-dependent. Nothing is left to report after the one line.
         sys.unraisablehook = lambda _: None
+        threading.excepthook = lambda _: None  # (a background reader's late failure too)
+        _silence_stderr()
         sys.exit(2)
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         sys.exit(130)
     sys.exit(code)
+
+
+def _silence_stderr() -> None:
+    """Points file descriptor 2 at /dev/null: what native code (XLA, tensorstore) or a
+    thread would print after the one error line, at any timing, goes nowhere. Only for
+    the process's own stderr (not when a caller or a test captures it)."""
+    if sys.stderr is not sys.__stderr__:
+        return
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 2)
+    except OSError:
+        pass
 
 
 def bench_args(argv: list[str], config: type, *, prog: str, description: str, quick: str) -> Any:
