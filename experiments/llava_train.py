@@ -19,24 +19,15 @@ joining the job, the devices, ``--layout auto``. The run itself is the library's
 
 from __future__ import annotations
 
-import contextlib
-import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-from experiments import flags
-from experiments.cli import ConfigError, accelerator_installed, run_cli, setup_devices
+from experiments import flags, job
+from experiments.cli import ConfigError, run_cli
 from experiments.flags import errors_as_flags
 from hetjax.config import TrainConfig
 
 PROG = "llava_train"
-# Settings that are this process's own, so they may differ between processes: the
-# coordinator's address as each process reaches it, its index, and the files that only
-# process 0 writes.
-_PER_PROCESS = (
-    *("distributed.coordinator", "distributed.process_id", "logging.metrics"),
-    *("logging.timeline", "logging.tensorboard", "logging.profile_dir", "logging.plot"),
-)
 
 
 def parse_args(argv: Sequence[str]) -> TrainConfig:
@@ -50,20 +41,17 @@ def main(config: TrainConfig) -> int:
     Raises:
         ConfigError: one line naming the flag to fix (:func:`~experiments.flags.as_flags`).
     """
-    multi, devices = _join_job(config)
+    multi, devices = job.join_job(config, PROG)
     import jax  # after the device count is fixed
 
-    from hetjax import distributed, train
+    from hetjax import train
     from hetjax.runtime import NonFiniteError
     from models.llava.records import BadSample
     from models.llava.task import LlavaBatches, LlavaTask
 
     if multi:
-        try:  # on every process alike, so every process reports it and exits normally
-            distributed.check_consistent("training config", _shared_settings(config, devices))
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-    with _stop_peers_on_error(multi), errors_as_flags():  # files may differ per process
+        job.check_consistent(config, devices)
+    with job.stop_peers_on_error(multi, PROG), errors_as_flags():  # files may differ per process
         train.check_outputs(config.logging, lead=jax.process_index() == 0)
     # The settings agree, so a bad one fails alike on every process (a normal exit).
     with errors_as_flags():
@@ -111,59 +99,6 @@ def _profile(devices: Sequence[Any]) -> str:
     """The planner's hardware profile of these devices."""
     kind = devices[0].device_kind.lower()
     return "cpu" if devices[0].platform == "cpu" else ("h200" if "h200" in kind else "h100")
-
-
-def _join_job(config: TrainConfig) -> tuple[bool, list]:
-    """Joins the multi-process job (if any) and picks the devices."""
-    # Before anything touches JAX: XLA reads it when it loads, and a multi-process run
-    # must join its job before any backend exists.
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    from hetjax import distributed
-
-    d = config.distributed
-    with errors_as_flags():
-        info = distributed.initialize(
-            coordinator=d.coordinator,
-            num_processes=d.num_processes,
-            process_id=d.process_id,
-            local_device_count=config.parallel.devices,
-            cpu=not accelerator_installed(),
-        )
-    if info.is_multiprocess:
-        # First: from here on, a process that stops takes the others with it.
-        distributed.watch_peers()
-    with _stop_peers_on_error(info.is_multiprocess):  # GPU counts may differ between machines
-        devices = setup_devices(config.parallel.devices, multiprocess=info.is_multiprocess)
-    return info.is_multiprocess, devices
-
-
-def _shared_settings(config: TrainConfig, devices: Sequence[Any]) -> dict[str, Any]:
-    """What every process of a job must agree on: the config (dotted keys) minus
-    :data:`_PER_PROCESS`, plus the devices and JAX version each process found."""
-    import jax
-
-    import hetjax.config as hc
-
-    flat = hc.flatten(hc.to_dict(config))
-    shared = {k: v for k, v in flat.items() if k not in _PER_PROCESS}
-    shared["global devices"] = f"{len(devices)} x {devices[0].platform}"
-    shared["jax"] = jax.__version__
-    return shared
-
-
-@contextlib.contextmanager
-def _stop_peers_on_error(multiprocess: bool) -> Iterator[None]:
-    """A :class:`ConfigError` raised inside may hit only some processes (another machine's
-    GPUs or files differ): in a multi-process run it stops the others too, at once,
-    instead of leaving them to wait in a collective for this one."""
-    try:
-        yield
-    except ConfigError as e:
-        if multiprocess:
-            from hetjax import distributed
-
-            distributed.fail(f"{PROG}: error: {e}", exit_code=2)
-        raise
 
 
 if __name__ == "__main__":
