@@ -38,7 +38,7 @@ from hetjax.runtime.observers import Dispatch, Observers, Stash
 from hetjax.runtime.optim import OptimizerConfig
 from hetjax.runtime.plan import RunPlan, plan_run
 from hetjax.runtime.programs import ParallelOptions, StageProgram
-from hetjax.runtime.reduce import StepMetrics, finish_step, finish_step_multiprocess
+from hetjax.runtime.reduce import OnDevice, OnHosts, StepMetrics, finish_step
 from hetjax.runtime.sends import Sends
 from hetjax.runtime.state import TrainState, full_params
 
@@ -323,28 +323,17 @@ class Executor:
             self.observers.on_stash(Stash(op, value, live))
 
     def _finish(self, acc, losses, normalizer) -> StepMetrics:
-        if self.multiprocess:
-            sink_last = (self.graph.sink, self.graph.module(self.graph.sink).layout.pp - 1)
-            self.state, metrics = finish_step_multiprocess(
-                self.programs,
-                self.state,
-                acc,
-                losses,
-                normalizer,
-                sink_last=sink_last,
-                first_calls=self._first_calls,
-            )
-        else:
-            self.state, metrics = finish_step(
-                self.programs,
-                self.state,
-                acc,
-                losses,
-                normalizer,
-                anchor=self.anchor,
-                guard=self._inflight,
-                record=self._record,
-            )
+        totals = OnHosts(self._first_calls) if self.multiprocess else OnDevice(self.anchor)
+        self.state, metrics = finish_step(
+            self.programs,
+            self.state,
+            acc,
+            losses,
+            normalizer,
+            totals=totals,
+            guard=self._inflight,
+            record=self._record,
+        )
         return metrics
 
     # -- encoder offload (colocated) ----------------------------------------------------
