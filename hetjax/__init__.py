@@ -10,6 +10,8 @@ own parallel layout and devices. The public API:
   parameter exists.
 - :class:`Executor` - trains a graph colocated (three-phase), non-colocated (graph-aware
   1F1B on disjoint islands) or as the homogeneous baseline.
+- :class:`Trainer` (:mod:`hetjax.train`) - a config, a model and its data in; layouts
+  checked once, the plan, the executor, checkpoints and resume, the step loop with hooks.
 - :class:`ReferenceTrainer` - single-mesh data-parallel training, the numerical reference.
 - :class:`OptimizerConfig` / :func:`make_optimizer` - AdamW + warm-up/cosine + clipping;
   the executor takes any optax transformation (:func:`clip_by_global_norm` clips by the
@@ -18,7 +20,8 @@ own parallel layout and devices. The public API:
   step's metrics, the hooks for compiles, dispatches, transfers and steps.
 - :func:`run_training` and hooks - the host loop, metrics file, progress bar, summary,
   TensorBoard scalars (:class:`TensorBoardWriter`), end-of-run plots
-  (:class:`MetricsPlot`); :class:`StepProfiler` traces chosen steps with ``jax.profiler``.
+  (:class:`MetricsPlot`); ``hetjax.train.ProfileHook`` traces chosen steps with
+  ``jax.profiler``.
 - :func:`gpu_flags` / :func:`apply_gpu_flags` - suggested XLA:GPU flags (collective
   overlap), set before the backend starts.
 """
@@ -41,7 +44,6 @@ from hetjax.runtime import ProgressBar as ProgressBar
 from hetjax.runtime import ReferenceTrainer as ReferenceTrainer
 from hetjax.runtime import RunPlan as RunPlan
 from hetjax.runtime import StepMetrics as StepMetrics
-from hetjax.runtime import StepProfiler as StepProfiler
 from hetjax.runtime import Summary as Summary
 from hetjax.runtime import TensorBoardWriter as TensorBoardWriter
 from hetjax.runtime import TrainGraph as TrainGraph
@@ -50,6 +52,7 @@ from hetjax.runtime import clip_by_global_norm as clip_by_global_norm
 from hetjax.runtime import make_optimizer as make_optimizer
 from hetjax.runtime import plan_run as plan_run
 from hetjax.runtime import run_training as run_training
+from hetjax.train import Trainer as Trainer
 
 __version__ = "0.1.0"
 
@@ -59,6 +62,7 @@ __all__ = [
     "RunPlan",
     "StepMetrics",
     "TrainState",
+    "Trainer",
     "apply_gpu_flags",
     "clip_by_global_norm",
     "gpu_flags",
@@ -75,7 +79,6 @@ __all__ = [
     "ProgressBar",
     "ReferenceTrainer",
     "StagedModule",
-    "StepProfiler",
     "Summary",
     "TensorBoardWriter",
     "TrainGraph",

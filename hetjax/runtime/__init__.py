@@ -28,7 +28,6 @@ from .plan import check_batch as check_batch
 from .plan import homogeneous_graph as homogeneous_graph
 from .plan import plan_run as plan_run
 from .plots import MetricsPlot as MetricsPlot
-from .profiling import StepProfiler as StepProfiler
 from .programs import ParallelOptions as ParallelOptions
 from .reduce import StepMetrics as StepMetrics
 from .reference import ReferenceTrainer as ReferenceTrainer
@@ -58,7 +57,6 @@ __all__ = [
     "RunPlan",
     "Stash",
     "StepMetrics",
-    "StepProfiler",
     "Summary",
     "TensorBoardWriter",
     "TrainGraph",
