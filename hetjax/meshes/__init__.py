@@ -8,6 +8,8 @@ from .layout import LayoutError as LayoutError
 from .placement import ModuleMesh as ModuleMesh
 from .placement import Placement as Placement
 from .placement import island_positions as island_positions
+from .placement import module_meshes as module_meshes
+from .placement import module_positions as module_positions
 from .placement import place_modules as place_modules
 from .placement import validate_layout as validate_layout
 from .rules import BATCH_AXES as BATCH_AXES
@@ -42,6 +44,8 @@ __all__ = [
     "logical_to_spec",
     "param_shardings",
     "island_positions",
+    "module_meshes",
+    "module_positions",
     "place_modules",
     "validate_batch",
     "validate_divisible",

@@ -1,10 +1,13 @@
 """Device placement: each module's mesh and pipeline-stage submeshes from ONE device list.
 
-Two placements:
+Three placements, all computed by :func:`module_positions` (the only place that decides
+where modules' devices go; the run planner calls it too):
 
 * ``"colocated"``: every module spans the same devices and reads them as its own logical
   grid (encoder ``dp=8`` and LLM ``dp=2,tp=4`` on the same eight devices).
 * ``"non-colocated"``: every module owns a disjoint island of devices.
+* ``"homogeneous"``: the stock Megatron baseline; the sink module spans all devices and
+  the others sit on its first pipeline stage's.
 
 All meshes are reshapes of slices of one global device list in a canonical order (the
 order of ``jax.devices()`` unless given), never independent ``jax.make_mesh`` calls:
@@ -30,7 +33,7 @@ from jax.sharding import AxisType, Mesh
 
 from .layout import MESH_AXES, STAGE_AXES, Layout, LayoutError
 
-Placement = Literal["colocated", "non-colocated"]
+Placement = Literal["colocated", "non-colocated", "homogeneous"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,18 +108,21 @@ def place_modules(
     *,
     placement: Placement,
     islands: Mapping[str, int | Sequence[int]] | None = None,
+    sink: str | None = None,
 ) -> dict[str, ModuleMesh]:
     """Places modules on devices and builds their meshes from one global device list.
 
     Args:
         layouts: module name -> `Layout` (or a string for `Layout.parse`).
         devices: the global device list in canonical order; defaults to ``jax.devices()``.
-        placement: ``"colocated"`` (every module spans all ``devices``) or
-            ``"non-colocated"`` (disjoint islands).
+        placement: ``"colocated"`` (every module spans all ``devices``),
+            ``"non-colocated"`` (disjoint islands) or ``"homogeneous"`` (see
+            :func:`module_positions`).
         islands: non-colocated only. Module name -> start position of its island in
             ``devices`` (the island is ``layout.num_devices`` consecutive devices), or an
             explicit sequence of positions. ``None`` packs the islands consecutively in
             the order of ``layouts``.
+        sink: homogeneous only: the module that spans all devices.
 
     Returns:
         Module name -> `ModuleMesh`, in the order of ``layouts``.
@@ -133,27 +139,85 @@ def place_modules(
         name: layout if isinstance(layout, Layout) else Layout.parse(layout, module=name)
         for name, layout in layouts.items()
     }
+    positions = module_positions(
+        parsed, len(devices), placement=placement, islands=islands, sink=sink
+    )
+    return module_meshes(parsed, devices, positions)
+
+
+def module_positions(
+    layouts: Mapping[str, Layout],
+    num_devices: int,
+    *,
+    placement: Placement,
+    islands: Mapping[str, int | Sequence[int]] | None = None,
+    sink: str | None = None,
+) -> dict[str, tuple[int, ...]]:
+    """Where each module's devices go: positions in the run's device list, each module's
+    layout checked against its device count. The one definition of every placement
+    (:func:`place_modules` and :func:`hetjax.plan_run` both use it).
+
+    Args:
+        layouts: module name -> layout, in placement order.
+        num_devices: devices of the run.
+        placement: ``"colocated"``: every module on all devices. ``"non-colocated"``:
+            disjoint islands (``islands`` as in :func:`place_modules`; counts become
+            positions through :func:`island_positions`). ``"homogeneous"`` (the stock
+            Megatron baseline): ``sink`` on all devices, every other module on the
+            devices of the sink's first pipeline stage (``pp`` is the outermost axis).
+        islands: non-colocated only: module -> island start position or positions.
+        sink: homogeneous only: the module that spans all devices.
+
+    Returns:
+        Module name -> device positions, in the order of ``layouts``.
+
+    Raises:
+        LayoutError: degrees that do not multiply to a module's device count, islands that
+            overlap or exceed the devices, islands given for a colocated placement.
+    """
+    everything = tuple(range(num_devices))
     if placement == "colocated":
         if islands is not None:
             raise LayoutError(
                 "colocated modules share all devices; drop islands= or use"
                 " placement='non-colocated'"
             )
-        positions = {name: tuple(range(len(devices))) for name in parsed}
+        positions = dict.fromkeys(layouts, everything)
     elif placement == "non-colocated":
-        positions = _island_positions(parsed, len(devices), islands)
+        positions = _island_positions(layouts, num_devices, islands)
+    elif placement == "homogeneous":
+        if sink not in layouts:
+            raise LayoutError(
+                f"homogeneous placement needs sink= naming one of {sorted(layouts)}, not {sink!r}"
+            )
+        validate_layout(sink, layouts[sink], num_devices)
+        first = everything[: num_devices // layouts[sink].pp]
+        positions = {n: everything if n == sink else first for n in layouts}
     else:
-        raise LayoutError(f"placement={placement!r} is unknown; use 'colocated' or 'non-colocated'")
-    out = {}
-    for name, layout in parsed.items():
+        raise LayoutError(
+            f"placement={placement!r} is unknown; use 'colocated', 'non-colocated' or 'homogeneous'"
+        )
+    for name, layout in layouts.items():
         validate_layout(name, layout, len(positions[name]))
-        out[name] = ModuleMesh(
+    return positions
+
+
+def module_meshes(
+    layouts: Mapping[str, Layout],
+    devices: Sequence[jax.Device],
+    positions: Mapping[str, Sequence[int]],
+) -> dict[str, ModuleMesh]:
+    """Each module's :class:`ModuleMesh` over its ``positions`` in ``devices`` (the run's
+    device list in canonical order), in the order of ``layouts``."""
+    return {
+        name: ModuleMesh(
             name=name,
             layout=layout,
             devices=tuple(devices[p] for p in positions[name]),
-            positions=positions[name],
+            positions=tuple(positions[name]),
         )
-    return out
+        for name, layout in layouts.items()
+    }
 
 
 def _island_positions(

@@ -22,8 +22,9 @@ from hetjax.meshes import (
     LayoutError,
     ModuleMesh,
     island_positions,
+    module_meshes,
+    module_positions,
     validate_batch,
-    validate_layout,
 )
 from hetjax.runtime.graph import TrainGraph
 from hetjax.runtime.lowering import (
@@ -84,15 +85,8 @@ class RunPlan:
                 f"the plan is for num_devices={self.num_devices} but {len(devices)} devices "
                 "were given; plan with the devices you run on"
             )
-        return {
-            spec.name: ModuleMesh(
-                spec.name,
-                spec.layout,
-                tuple(devices[p] for p in self.positions[spec.name]),
-                self.positions[spec.name],
-            )
-            for spec in self.graph.modules
-        }
+        layouts = {spec.name: spec.layout for spec in self.graph.modules}
+        return module_meshes(layouts, devices, self.positions)
 
     def check_batch(self, global_batch: int) -> None:
         """Every module's ``dp x microbatches`` divides ``global_batch`` (one-line errors)."""
@@ -167,7 +161,12 @@ def plan_run(
         )
     if mode == "homogeneous":
         graph = homogeneous_graph(graph)
-    positions = _positions(graph, mode, islands, num_devices)
+    layouts = {m.name: m.layout for m in graph.modules}
+    if mode == "non-colocated":  # island sizes, in placement order
+        islands = island_positions(islands, layouts, num_devices)
+    positions = module_positions(
+        layouts, num_devices, placement=mode, islands=islands, sink=graph.sink
+    )
     if global_batch is not None:
         check_batch(graph, global_batch, microbatches)
     sched = build_schedule(graph, mode, schedule, microbatches)
@@ -189,22 +188,3 @@ def plan_run(
         offload_encoders=offload_encoders,
         routed=routed,
     )
-
-
-def _positions(
-    graph: TrainGraph, mode: Mode, islands: Mapping[str, int] | None, num_devices: int
-) -> dict[str, tuple[int, ...]]:
-    layouts = {m.name: m.layout for m in graph.modules}
-    everything = tuple(range(num_devices))
-    if mode == "non-colocated":
-        positions = island_positions(islands, layouts, num_devices)
-    elif mode == "colocated":
-        positions = dict.fromkeys(layouts, everything)
-    else:  # homogeneous: encoders on the sink's first stage (pp is the outermost axis)
-        sink = graph.sink
-        validate_layout(sink, layouts[sink], num_devices)
-        first = everything[: num_devices // layouts[sink].pp]
-        positions = {n: everything if n == sink else first for n in layouts}
-    for name, layout in layouts.items():
-        validate_layout(name, layout, len(positions[name]))
-    return positions

@@ -1,4 +1,5 @@
-"""Placement: device order, colocated and island meshes, stage submeshes, errors."""
+"""Placement: device order, colocated, island and homogeneous meshes, stage submeshes,
+errors; island sizes (the run planner's ``islands``) become positions the same way."""
 
 from __future__ import annotations
 
@@ -7,7 +8,15 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType
 
-from hetjax.meshes import MESH_AXES, STAGE_AXES, Layout, LayoutError, place_modules
+from hetjax.meshes import (
+    MESH_AXES,
+    STAGE_AXES,
+    Layout,
+    LayoutError,
+    island_positions,
+    module_positions,
+    place_modules,
+)
 
 
 def _ids(mesh) -> np.ndarray:
@@ -63,6 +72,22 @@ def test_islands_at_given_offsets_or_positions():
     assert [d.id for d in meshes["llm"].stage_devices(1)] == [2, 3]
 
 
+def test_homogeneous_puts_the_other_modules_on_the_sinks_first_stage():
+    meshes = place_modules(
+        {"vit": "dp=2,tp=2", "llm": "dp=2,tp=2,pp=2"}, placement="homogeneous", sink="llm"
+    )
+    assert meshes["llm"].positions == tuple(range(8))
+    assert meshes["vit"].positions == (0, 1, 2, 3)
+    assert meshes["vit"].devices == meshes["llm"].stage_devices(0)
+
+
+def test_island_sizes_place_like_island_positions():
+    layouts = {"vit": Layout.parse("dp=2"), "llm": Layout.parse("dp=2,tp=2")}
+    sizes = island_positions({"llm": 4, "vit": 2}, layouts, 8)  # assigned in this order
+    assert sizes == {"llm": (0, 1, 2, 3), "vit": (4, 5)}
+    assert module_positions(layouts, 8, placement="non-colocated", islands=sizes) == sizes
+
+
 def test_explicit_device_list_is_the_canonical_order():
     devices = jax.devices()[::-1][:4]
     mm = place_modules({"llm": "dp=2,tp=2"}, devices, placement="colocated")["llm"]
@@ -103,6 +128,16 @@ def test_explicit_device_list_is_the_canonical_order():
             r"colocated modules share all devices; drop islands=",
         ),
         ({"vit": "dp=8"}, dict(placement="mixed"), r"placement='mixed' is unknown"),
+        (
+            {"vit": "dp=4", "llm": "dp=4,pp=2"},
+            dict(placement="homogeneous"),
+            r"homogeneous placement needs sink= naming one of \['llm', 'vit'\], not None",
+        ),
+        (
+            {"vit": "dp=8", "llm": "dp=4,pp=2"},
+            dict(placement="homogeneous", sink="llm"),
+            r"vit: dp\*tp\*cp\*pp = 8\*1\*1\*1 = 8 but the module has 4 devices",
+        ),
         ({"moe": "dp=2,ep=4"}, dict(placement="colocated"), r"moe: Layout\(.*\): ep=4 must"),
         (
             {"vit": "dp=2", "llm": "dp=2"},
