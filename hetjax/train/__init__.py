@@ -5,12 +5,13 @@
 - :class:`TrainableModel`, :class:`BatchSource` - what a model and its data provide.
 - :class:`LayoutChoice`, :func:`resolve_layouts`, :func:`default_layouts` - layouts as
   objects (a planner's choices included).
-- :class:`Hook` and the stock hooks :class:`CheckpointHook`, :class:`ProfileHook`,
+- :class:`Hook` and the stock hooks :class:`Every`, :class:`CheckpointHook`, :class:`ProfileHook`,
   :class:`TimelineHook`; :func:`logging_hooks`, :func:`check_outputs` for
   ``config.logging``.
 """
 
 from .hooks import CheckpointHook as CheckpointHook
+from .hooks import Every as Every
 from .hooks import Hook as Hook
 from .hooks import ProfileHook as ProfileHook
 from .hooks import TimelineHook as TimelineHook
@@ -26,6 +27,7 @@ from .trainer import Trainer as Trainer
 __all__ = [
     "BatchSource",
     "CheckpointHook",
+    "Every",
     "Hook",
     "LayoutChoice",
     "ProfileHook",

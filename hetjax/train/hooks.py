@@ -11,9 +11,10 @@ but no ``after_step``) run on process 0 only.
 The ``trainer`` argument is the :class:`hetjax.train.Trainer` that runs the hook (typed
 ``Any`` here so that this module and the trainer's do not import each other).
 
-Stock hooks: :class:`CheckpointHook` (saves), :class:`ProfileHook` (``jax.profiler``
-trace of a step range), :class:`TimelineHook` (the executor's timed last step as a Gantt
-chart and a Perfetto trace). Users subclass :class:`Hook` for their own.
+Stock hooks: :class:`Every` (any observer every N steps), :class:`CheckpointHook`
+(saves), :class:`ProfileHook` (``jax.profiler`` trace of a step range),
+:class:`TimelineHook` (the executor's timed last step as a Gantt chart and a Perfetto
+trace). Users subclass :class:`Hook` for their own.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class Hook:
     """
 
     every: int = 1
+    lead_only: bool = False  # True: runs on process 0 only (what writes files or prints)
 
     def __init__(self, every: int = 1):
         if every < 1:
@@ -59,6 +61,33 @@ class Hook:
 
     def on_error(self, error: BaseException) -> None:
         """The run failed; release what the hook holds."""
+
+
+class Every(Hook):
+    """A process-0 observer (metrics file, TensorBoard, plot, your own) called only at
+    every ``every``-th step and the last: ``Every(JsonlWriter(path), 10)``.
+
+    Args:
+        observer: any object with ``on_step`` (and optionally ``on_end``, ``on_error``).
+        every: steps between calls.
+    """
+
+    lead_only = True
+
+    def __init__(self, observer: Any, every: int):
+        super().__init__(every)
+        self.observer = observer
+
+    def on_step(self, step: int, metrics: Mapping[str, float]) -> None:
+        self.observer.on_step(step, metrics)
+
+    def on_end(self, history: Sequence[Mapping[str, float]]) -> None:
+        if hasattr(self.observer, "on_end"):
+            self.observer.on_end(history)
+
+    def on_error(self, error: BaseException) -> None:
+        if hasattr(self.observer, "on_error"):
+            self.observer.on_error(error)
 
 
 class CheckpointHook(Hook):

@@ -21,8 +21,6 @@ flag names.
 from __future__ import annotations
 
 import logging
-import signal
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -40,6 +38,7 @@ from hetjax.runtime.reference import ReferenceTrainer, check_batch_split
 from hetjax.train.hooks import CheckpointHook, Hook
 from hetjax.train.layouts import LayoutChoice, resolve_layouts
 from hetjax.train.outputs import logging_hooks
+from hetjax.train.preemption import Preemption
 from hetjax.train.protocols import BatchSource, TrainableModel
 
 log = logging.getLogger(__name__)
@@ -102,7 +101,7 @@ class Trainer:
         if self.checkpointer and not any(isinstance(h, CheckpointHook) for h in self.hooks):
             self.hooks.insert(0, CheckpointHook(config.checkpoint.save_every))
         self.preempted_at: int | None = None
-        self._signalled = threading.Event()
+        self.preemption = Preemption()
 
     # -- planning -------------------------------------------------------------------------
 
@@ -256,7 +255,7 @@ class Trainer:
 
     def step(self, i: int) -> Mapping[str, Any]:
         """Dispatches step ``i`` (its batch from the data source, the hooks around it)."""
-        hooks = [h for h in self.hooks if isinstance(h, Hook)]
+        hooks = self._hooks()
         for hook in hooks:
             hook.before_step(self, i)
         batch = self.data.batch(i)
@@ -268,24 +267,15 @@ class Trainer:
         for hook in hooks:
             if hook.due(i, self.end):
                 hook.after_step(self, i, metrics)
-        if self._preempt(i):
+        if self.preemption.reached(i):
             self.preempted_at = i + 1
             if not any(isinstance(h, CheckpointHook) and h.due(i, self.end) for h in hooks):
-                self.save(i + 1)  # (a save due at this step already ran)
+                self.save(i + 1, metrics)  # (a save due at this step already ran)
         return metrics
 
-    def _preempt(self, i: int) -> bool:
-        """Whether every process stops after step ``i``: a SIGTERM reached this process
-        (one process), or JAX's preemption sync point says so (every process agrees on
-        the same step through the coordination service)."""
-        if jax.process_count() == 1:
-            return self._signalled.is_set()
-        from jax.experimental import multihost_utils
-
-        try:
-            return multihost_utils.reached_preemption_sync_point(i + 1)
-        except RuntimeError:  # the job was started without JAX's preemption service
-            return False
+    def _hooks(self) -> list[Hook]:
+        """The trainer hooks this process runs (every process's, and process 0's own)."""
+        return [h for h in self.hooks if isinstance(h, Hook) and (self.lead or not h.lead_only)]
 
     def fit(
         self,
@@ -306,26 +296,25 @@ class Trainer:
         import hetjax
 
         observers = [h for h in self.hooks if not isinstance(h, Hook)] if self.lead else []
-        hooks = [h for h in self.hooks if isinstance(h, Hook)]
+        hooks = self._hooks()
         guard = loop_lib.NonFiniteGuard(self.config.skip_nonfinite_steps, note=self.kept_note)
         model_flops = getattr(self.model, "flop_metrics", None)
         flops = flop_metrics or (model_flops(self) if model_flops else None)
         step_metrics = getattr(self.data, "step_metrics", None)
         self._next = self.start
-        previous = _on_sigterm(self._signalled)
         try:
-            history = hetjax.run_training(
-                self.step,
-                self.end,
-                tokens_per_step=self.config.data.global_batch * _seq_len(self),
-                hooks=[*(_DueHook(h, self.end) for h in hooks), *observers, guard],
-                start=self.start,
-                flop_metrics=flops,
-                data_metrics=step_metrics,
-                stop=lambda: self.preempted_at is not None,
-            )
+            with self.preemption:
+                history = hetjax.run_training(
+                    self.step,
+                    self.end,
+                    tokens_per_step=self.config.data.global_batch * _seq_len(self),
+                    hooks=[*(_DueHook(h, self.end) for h in hooks), *observers, guard],
+                    start=self.start,
+                    flop_metrics=flops,
+                    data_metrics=step_metrics,
+                    stop=lambda: self.preempted_at is not None,
+                )
         finally:
-            _restore_sigterm(previous)
             close = getattr(self.data, "close", None)
             if close:
                 close()
@@ -382,16 +371,3 @@ def _checkpointer(config: TrainConfig):
     from hetjax.checkpoint import Checkpointer
 
     return Checkpointer(config.checkpoint.dir, keep=config.checkpoint.keep)
-
-
-def _on_sigterm(flag: threading.Event) -> Any:
-    """Sets ``flag`` on SIGTERM (main thread of a single-process run only: a
-    multi-process job uses JAX's preemption service instead); returns what to restore."""
-    if jax.process_count() > 1 or threading.current_thread() is not threading.main_thread():
-        return None
-    return signal.signal(signal.SIGTERM, lambda signum, frame: flag.set())
-
-
-def _restore_sigterm(previous: Any) -> None:
-    if previous is not None:
-        signal.signal(signal.SIGTERM, previous)

@@ -13,7 +13,9 @@ import pytest
 
 import hetjax
 from experiments import own_graph
-from hetjax.train import Hook, LayoutChoice, Trainer, resolve_layouts
+from hetjax.runtime import JsonlWriter
+from hetjax.train import Every, Hook, LayoutChoice, Trainer, resolve_layouts
+from tests.launch import rows
 
 
 def test_the_example_trains_two_layouts_alike_through_a_resume():
@@ -58,6 +60,13 @@ def test_hooks_run_every_n_steps_and_at_the_last(tmp_path):
     every = own_graph.LossEvery(every=4)
     _trainer(tmp_path, "every", every, checkpoint=hetjax.config.CheckpointConfig()).fit()
     assert sorted(every.losses) == [3, 5]  # steps 4 and 6 (1-based): every 4th and the last
+
+
+def test_every_calls_a_process_0_observer_every_n_steps(tmp_path):
+    path = tmp_path / "m.jsonl"
+    no_ckpt = hetjax.config.CheckpointConfig()
+    _trainer(tmp_path, "obs", Every(JsonlWriter(str(path)), 4), checkpoint=no_ckpt).fit()
+    assert [row["step"] for row in rows(path)] == [3, 5]
 
 
 def test_a_planners_list_takes_the_first_layouts_that_run(tmp_path):
