@@ -26,6 +26,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import traceback
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -235,6 +236,7 @@ def _isolated(err: io.StringIO) -> Iterator[None]:
     import jax
 
     environ, argv, hook = dict(os.environ), sys.argv, sys.unraisablehook
+    thread_hook = threading.excepthook
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     config = dict(jax.config.values)
     root = logging.getLogger()
@@ -256,6 +258,7 @@ def _isolated(err: io.StringIO) -> Iterator[None]:
         for signum, handler in handlers.items():
             signal.signal(signum, handler)
         sys.argv, sys.unraisablehook = argv, hook
+        threading.excepthook = thread_hook
         os.environ.clear()
         os.environ.update(environ)
 

@@ -3,6 +3,7 @@ on: :func:`experiments.cli.setup_devices` in a process where JAX already runs.""
 
 import logging
 import sys
+import threading
 
 import jax
 import pytest
@@ -22,6 +23,7 @@ def test_setup_devices_takes_the_first_devices_of_a_running_backend():
 
 def test_run_main_reports_a_one_line_error_and_puts_the_process_back():
     argv, handlers = sys.argv, logging.getLogger().handlers[:]
+    hooks = sys.unraisablehook, threading.excepthook
     result = launch.run_main(launch.TRAIN, "--steps", "0", log_compiles=True)
     assert result == launch.Result(
         2,
@@ -29,4 +31,5 @@ def test_run_main_reports_a_one_line_error_and_puts_the_process_back():
         "llava_train: error: argument --steps: expected a positive integer, got 0 (see --help)\n",
     )
     assert sys.argv is argv and logging.getLogger().handlers == handlers
+    assert (sys.unraisablehook, threading.excepthook) == hooks
     assert not jax.config.jax_log_compiles
