@@ -64,7 +64,8 @@ class Trainer:
         observers: executor observers (compiles, dispatches, transfers).
 
     Example:
-        >>> trainer = Trainer(config, model, data, hooks=[ProgressBar(config.steps)])
+        >>> metrics = Every(JsonlWriter("metrics.jsonl"), 10)  # doctest: +SKIP
+        >>> trainer = Trainer(config, model, data, hooks=[metrics])  # doctest: +SKIP
         >>> history = trainer.fit()  # doctest: +SKIP
     """
 
