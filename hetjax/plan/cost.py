@@ -15,9 +15,10 @@ the planner uses to rank candidates before simulating the best.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal
+from typing import Any
 
 from hetjax import schedules as hs
+from hetjax.meshes.placement import Placement
 from hetjax.runtime.flops import FACTORS, TRAINED
 
 from .hardware import HardwareProfile, get_profile
@@ -25,8 +26,8 @@ from .memory import BF16
 from .parts import ENCODER, LLM, encoder_shape, image_tokens, llm_shape
 from .stage import ModulePlan, StageCost, module_stages
 
-Mode = Literal["homogeneous", "colocated", "non-colocated"]
-MODES: tuple[str, ...] = ("homogeneous", "colocated", "non-colocated")
+Mode = Placement  # one definition: hetjax.meshes.placement
+MODES: tuple[str, ...] = ("homogeneous", "colocated", "non-colocated")  # the search's order
 
 
 @dataclasses.dataclass(frozen=True)

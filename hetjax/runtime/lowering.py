@@ -12,13 +12,15 @@ the ``fused_*`` schedules whose encoder stages run on the LLM's first stage.
 from __future__ import annotations
 
 import dataclasses
+import typing
 from typing import Literal
 
 from hetjax import schedules as hs
+from hetjax.meshes.placement import Placement
 from hetjax.runtime.graph import TrainGraph
 
-Mode = Literal["colocated", "non-colocated", "homogeneous"]
-MODES: tuple[str, ...] = ("colocated", "non-colocated", "homogeneous")
+Mode = Placement  # one definition: hetjax.meshes.placement
+MODES: tuple[str, ...] = typing.get_args(Placement)
 ScheduleOrder = Literal["1f1b", "gpipe"]
 StageKey = tuple[str, int]  # (module name, pipeline stage index)
 
