@@ -25,7 +25,7 @@ def test_bad_flags_are_one_line_errors():
     assert parse_args(["--sections", "llm_stage,attention"]).sections == ("llm_stage", "attention")
     with pytest.raises(ConfigError, match=r"--sections: unknown \['bogus'\]; choose from"):
         main(CheckConfig(smoke=True, sections=("attention", "bogus")), devices=jax.devices())
-    out = launch.run("experiments.gpu_check", "--bogus", timeout=120)
+    out = launch.run_main("experiments.gpu_check", "--bogus")
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
 
 

@@ -19,7 +19,7 @@ from safetensors.numpy import load_file, save_file
 from models import hf
 from models.config import get_preset
 from models.mllm import MLLM
-from tests.launch import check_ok, rows, start_train, wait
+from tests.launch import TRAIN, check_ok, rows, run_main
 
 STEPS = ["--steps", "3", "--global-batch", "16", "--seq-len", "64"]
 PARALLEL = [
@@ -74,9 +74,9 @@ def runs(tmp_path_factory):
         ],
     }
     out = {}
-    for name, a in args.items():  # one after the other: 2 cores
+    for name, a in args.items():  # in the test process, one after the other
         path = tmp / f"{name}.jsonl"
-        out[name] = (wait(start_train([*a, *STEPS, "--metrics", str(path)]), name), rows(path))
+        out[name] = (run_main(TRAIN, *a, *STEPS, "--metrics", str(path)), rows(path))
     return out, params
 
 

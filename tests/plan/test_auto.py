@@ -38,6 +38,6 @@ def test_layout_auto_flag_and_one_line_errors():
 
     config = flags.parse_args(["--layout", "auto"], prog="llava_train")
     assert config.parallel.layouts == {"auto": "auto"}
-    bad = launch.run(launch.TRAIN, "--layout", "auto", "--steps", "1", "--model", "tiny-av")
+    bad = launch.run_main(launch.TRAIN, "--layout", "auto", "--steps", "1", "--model", "tiny-av")
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0, bad.stderr
     assert "plans one vision encoder" in bad.stderr
