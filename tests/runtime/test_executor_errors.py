@@ -27,7 +27,7 @@ from hetjax.meshes import place_modules
 from hetjax.schedules import ScheduleError
 from models.config import get_preset
 from models.mllm import MLLM
-from tests.launch import finish, start_train
+from tests.launch import TRAIN, run_main
 
 USER_ERRORS = (LayoutError, BoundaryError, ScheduleError, InvalidConfigError)
 
@@ -324,12 +324,13 @@ CLI_CASES = {
 
 @pytest.fixture(scope="module")
 def cli_runs():
-    """All CLI error cases, started together (independent processes), then awaited."""
-    procs = {
-        name: start_train(["--steps", "2", *flags], {"JAX_LOG_COMPILES": "1"} if early else None)
+    """All CLI error cases, run in the test process (:func:`tests.launch.run_main`) one
+    after the other; a real process's exit 2 is checked in tests/test_llava_train_cli.py."""
+    runs = {
+        name: run_main(TRAIN, "--steps", "2", *flags, log_compiles=early)
         for name, (flags, _, early) in CLI_CASES.items()
     }
-    return {name: (r.returncode, r.stdout, r.stderr) for name, r in finish(procs).items()}
+    return {name: (r.returncode, r.stdout, r.stderr) for name, r in runs.items()}
 
 
 @pytest.mark.parametrize("name", list(CLI_CASES))
