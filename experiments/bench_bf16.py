@@ -125,28 +125,27 @@ def grad_dtypes(ex: Any, rec: Any) -> dict[str, list[str]]:
 def train(mode: str, seed: int, work: dict, steps: int, rec: Any = None) -> tuple[list, list, Any]:
     """Losses, step times and the executor of one run (``seed`` goes to what
     ``work["seed_kind"]`` names - both for ``run`` -, the other seed is 0)."""
-    import jax
+    from experiments import runner
 
-    import hetjax
-
-    model, batch = work["model"], work["batch"]
     kind = work["seed_kind"]
-    data = work["data"][seed if kind in ("run", "data") else 0]
-    seed = seed if kind in ("run", "init") else 0
-    layouts = {k: hetjax.Layout.parse(v, module=k) for k, v in work["layouts"].items()}
-    ex = hetjax.Executor(
-        model.train_graph(layouts),
-        model.init(jax.random.key(seed)),
-        devices=work["devices"],
-        mode=mode,
-        microbatches=MICROBATCHES,
-        optimizer=hetjax.OptimizerConfig(total_steps=steps, warmup_steps=max(1, steps // 10)),
-        observers=[rec] if rec is not None else [],
+    row = runner.variant(
+        work["base"],
+        seed=seed if kind in ("run", "data") else 0,  # the data's
+        parallel=runner.layout_fields(work["layouts"], mode),
     )
+    init = runner.variant(row, seed=seed if kind in ("run", "init") else 0)
+    tr = runner.trainer(
+        row,
+        devices=work["devices"],
+        observers=[rec] if rec is not None else [],
+        preset=work["preset"],
+        params=runner.init_params(init, work["preset"]),
+    )
+    ex = tr.engine
     losses, times, previous = [], [], None
     for s in range(steps):
         t0 = time.perf_counter()
-        metrics = ex.step(data.batch(s, batch))
+        metrics = ex.step(tr.data.batch(s))
         if previous is not None:  # read step s-1's metrics after dispatching step s
             losses.append(previous["loss"])
         previous = metrics
@@ -159,7 +158,7 @@ def main(config: BenchConfig, devices: list | None = None) -> list[dict]:
     """Runs the three trainings, prints a summary and whether the goal is met, writes
     JSON. ``devices``: the ones to use when a JAX backend already runs (a test calling
     it in-process; the first 4 with ``--quick``); None: set up here."""
-    from experiments.cli import ConfigError, finish_rows, setup_devices, share_compiles
+    from experiments.cli import ConfigError, setup_devices
 
     window = QUICK_MA_WINDOW if config.quick else MA_WINDOW
     steps = config.steps or (QUICK_STEPS if config.quick else 200)
@@ -171,12 +170,9 @@ def main(config: BenchConfig, devices: list | None = None) -> list[dict]:
     if devices is None:
         devices = setup_devices(count)  # before anything else starts a JAX backend
     devices = devices[:count]
-    import jax.numpy as jnp
-
+    from experiments import runner
     from hetjax.inspect import Recorder
     from models.config import get_preset
-    from models.data import DataConfig, SyntheticLlava
-    from models.mllm import MLLM
 
     cfg = get_preset("tiny")
     if config.quick:
@@ -186,19 +182,20 @@ def main(config: BenchConfig, devices: list | None = None) -> list[dict]:
             vision=dataclasses.replace(cfg.vision, depth=QUICK_LAYERS["vision"]),
             seq_len=QUICK_SEQ,
         )
-    cache = share_compiles("bench_bf16_")  # the second homogeneous run loads the first's
-    layouts = QUICK_LAYOUTS if config.quick else LAYOUTS
+    cache = runner.share_compiles("bench_bf16_")  # the second homogeneous run loads the first's
     work = {
         "devices": devices,
-        "layouts": layouts,
-        "model": MLLM(cfg, dtype=getattr(jnp, config.dtype)),
-        "data": [
-            SyntheticLlava(DataConfig.for_model(cfg, seq_len=cfg.seq_len, seed=s))
-            for s in range(config.seeds)
-        ],
+        "layouts": QUICK_LAYOUTS if config.quick else LAYOUTS,
+        "preset": cfg,
+        "base": runner.bench_config(
+            steps=steps,
+            model={"dtype": config.dtype},
+            data={"global_batch": QUICK_BATCH if config.quick else GLOBAL_BATCH},
+            parallel={"microbatches": MICROBATCHES},
+        ),
         "seed_kind": config.seed_kind,
-        "batch": QUICK_BATCH if config.quick else GLOBAL_BATCH,
     }
+    layouts = work["layouts"]
     losses, times, dtypes = {}, {}, {}
     t0 = time.perf_counter()
     extra = tuple(
@@ -281,33 +278,25 @@ def main(config: BenchConfig, devices: list | None = None) -> list[dict]:
     for k, v in dtypes.items():
         print(f"{k:<24} {', '.join(v) or '-'}")
     print(f"goal met: {row['goal_met']}" + "".join(f"\n  missed: {m}" for m in missed))
-    finish_rows([row], config.json, [], "goal missed")  # a benchmark reports; it exits 0
+    runner.finish_rows([row], config.json, [], "goal missed")  # a benchmark reports; it exits 0
     return [row]
 
 
-def parse_args(argv: list[str]) -> BenchConfig:
-    from experiments.cli import OneLineParser, positive_int
+def flags(p: Any, d: BenchConfig) -> None:
+    from experiments.cli import positive_int
 
-    p = OneLineParser(prog="bench_bf16", description=__doc__.splitlines()[0])
-    p.add_argument("--json", default=None, help="write the row as a JSON list")
-    p.add_argument("--quick", action="store_true", help="tiniest run, few steps (for the test)")
-    p.add_argument("--steps", type=positive_int, default=None, help="steps per run")
-    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
-    p.add_argument("--seeds", type=positive_int, default=2, help="homogeneous seeds (>= 2)")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default=d.dtype)
+    p.add_argument("--seeds", type=positive_int, default=d.seeds, help="homogeneous seeds (>= 2)")
     p.add_argument(
         "--seed-kind",
         choices=("run", "init", "data"),
-        default="run",
+        default=d.seed_kind,
         help="what the 2nd seed varies (run: both, as llava_train --seed)",
     )
-    return BenchConfig(**vars(p.parse_args(argv)))
 
 
 if __name__ == "__main__":
-    from experiments.cli import run_cli
+    from experiments.runner import run_bench
 
-    def _run(argv: list[str]) -> int:
-        main(parse_args(argv))
-        return 0
-
-    run_cli(_run, "bench_bf16")
+    quick = "tiniest run, few steps (for the test)"
+    run_bench(main, BenchConfig, prog="bench_bf16", doc=__doc__, quick=quick, flags=flags)

@@ -2,7 +2,8 @@
 
     python -m experiments.bench_checkpoint --json out.json [--quick] [--dir DIR]
 
-Each row is one :class:`hetjax.Executor` of the ``small`` preset (``--quick``, for the
+Each row is a :class:`hetjax.config.TrainConfig` variant (its layouts) run by
+:mod:`experiments.runner`'s trainer of the ``small`` preset (``--quick``, for the
 test: ``tiny``) on 8 simulated CPU devices, global batch 16 in 2 microbatches, in one
 of three layouts:
 
@@ -46,7 +47,6 @@ import dataclasses
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -66,18 +66,12 @@ class Scenario:
 
     name: str
     layouts: dict[str, str]  # module -> layout text
-    mode: str = "colocated"
-    islands: dict[str, int] | None = None
+    mode: str = "colocated"  # non-colocated: islands of the layouts' device counts
 
 
 SCENARIOS = (
     Scenario("colocated", {"vision": "dp=8", "llm": "dp=2,tp=2,pp=2"}),
-    Scenario(
-        "non-colocated",
-        {"vision": "dp=4", "llm": "dp=1,tp=2,pp=2"},
-        "non-colocated",
-        {"vision": 4, "llm": 4},
-    ),
+    Scenario("non-colocated", {"vision": "dp=4", "llm": "dp=1,tp=2,pp=2"}, "non-colocated"),
     Scenario("pp2", {"vision": "dp=8", "llm": "dp=4,pp=2"}),
 )
 
@@ -92,27 +86,13 @@ class BenchConfig:
     dir: str | None = None  # where checkpoints go; None: a temporary directory
 
 
-def build(scenario: Scenario, work: dict, params: Any = None):
-    """An executor of ``scenario`` (with ``params``, or empty for a restore)."""
-    import hetjax
+def build(scenario: Scenario, work: dict):
+    """The trainer of ``scenario`` (from the shared initial parameters)."""
+    from experiments import runner
 
-    model = work["model"]
-    layouts = {k: hetjax.Layout.parse(v, module=k) for k, v in scenario.layouts.items()}
-    model.validate_layouts(layouts)
-    plan = hetjax.plan_run(
-        model.train_graph(layouts),
-        num_devices=DEVICES,
-        mode=scenario.mode,
-        islands=scenario.islands,
-        microbatches=MICROBATCHES,
-        global_batch=GLOBAL_BATCH,
-    )
-    return hetjax.Executor(
-        plan,
-        params,
-        devices=work["devices"],
-        optimizer=hetjax.OptimizerConfig(total_steps=100, warmup_steps=0),
-    )
+    layouts = runner.layout_fields(scenario.layouts, scenario.mode)
+    row = runner.variant(work["base"], parallel={"microbatches": MICROBATCHES, **layouts})
+    return runner.trainer(row, devices=work["devices"], params=work["params"])
 
 
 def raw_bytes(ex) -> int:
@@ -136,15 +116,16 @@ def run(scenario: Scenario, work: dict, steps: int, directory: Path) -> dict:
     import jax
     import numpy as np
 
+    from experiments import runner
     from hetjax.checkpoint import Checkpointer
     from hetjax.inspect import Timer
 
-    batches = work["batches"]
+    tr = build(scenario, work)
+    ex, batches = tr.engine, runner.batches(tr, steps + 2)
 
     def step(ex, i: int) -> None:
         jax.block_until_ready((ex.step(batches[i % len(batches)]), ex.state))
 
-    ex = build(scenario, work, work["params"])
     timer = Timer()
     for i in range(steps):
         with timer:
@@ -164,7 +145,7 @@ def run(scenario: Scenario, work: dict, steps: int, directory: Path) -> dict:
     step(ex, steps + 1)
     during = time.perf_counter() - t0
     ckpt.wait()
-    fresh = build(scenario, work)
+    fresh = build(scenario, work).engine  # its initial state: the restore replaces it
     t0 = time.perf_counter()
     meta = ckpt.restore(fresh, step=steps + 1)
     jax.block_until_ready(fresh.state)
@@ -178,7 +159,7 @@ def run(scenario: Scenario, work: dict, steps: int, directory: Path) -> dict:
     row = dict(
         layout=scenario.name,
         layouts="; ".join(f"{k} {v}" for k, v in scenario.layouts.items()),
-        preset=work["model"].config.name,
+        preset=work["base"].model.preset,
         step_time_s=statistics.median(timer.samples[1:] or timer.samples),
         save_blocking_s=blocking,
         first_save_blocking_s=first_blocking,
@@ -193,103 +174,88 @@ def run(scenario: Scenario, work: dict, steps: int, directory: Path) -> dict:
     return row
 
 
-def check(rows: list[dict], *, blocking: bool = True) -> list[str]:
+def goals(*, blocking: bool = True) -> list:
     """The goals: saves asynchronous (unless ``blocking=False``), no replicas on disk,
-    exact restore. Returns the violations."""
-    bad = []
-    for r in rows:
-        if blocking and not r["save_blocking_s"] < r["step_time_s"]:
-            bad.append(
-                f"{r['layout']}: a save stops training {r['save_blocking_s']:.3f} s, longer "
-                f"than a step ({r['step_time_s']:.3f} s)"
-            )
-        if r["bytes_on_disk"] > SIZE_SLACK * r["param_and_opt_bytes"]:
-            bad.append(
-                f"{r['layout']}: {r['bytes_on_disk']} bytes on disk, over {SIZE_SLACK} x the "
-                f"{r['param_and_opt_bytes']} raw parameter and optimizer bytes"
-            )
-        if not r["restored_equal"]:
-            bad.append(f"{r['layout']}: the restored parameters differ from the saved ones")
-    return bad
+    exact restore."""
+    from experiments.runner import Goal
 
-
-def print_table(rows: list[dict]) -> None:
-    def mib(n: int) -> str:
-        return f"{n / 2**20:.1f}"
-
-    print(
-        f"{'layout':14s} {'preset':6s} {'step s':>7s} {'blocking s':>10s} {'first s':>8s}"
-        f" {'total s':>8s} {'step+save s':>11s} {'restore s':>9s} {'disk MiB':>9s}"
-        f" {'raw MiB':>8s} {'disk/raw':>8s}"
+    asynchronous = Goal(
+        lambda r: r["save_blocking_s"] < r["step_time_s"],
+        lambda r: (
+            f"{r['layout']}: a save stops training {r['save_blocking_s']:.3f} s, longer "
+            f"than a step ({r['step_time_s']:.3f} s)"
+        ),
     )
-    for r in rows:
-        print(
-            f"{r['layout']:14s} {r['preset']:6s} {r['step_time_s']:7.3f}"
-            f" {r['save_blocking_s']:10.3f} {r['first_save_blocking_s']:8.3f}"
-            f" {r['save_total_s']:8.3f} {r['step_time_during_save_s']:11.3f}"
-            f" {r['restore_s']:9.3f} {mib(r['bytes_on_disk']):>9s}"
-            f" {mib(r['param_and_opt_bytes']):>8s}"
-            f" {r['bytes_on_disk'] / r['param_and_opt_bytes']:8.3f}"
-        )
+    return [asynchronous] * blocking + [
+        Goal(
+            lambda r: r["bytes_on_disk"] <= SIZE_SLACK * r["param_and_opt_bytes"],
+            lambda r: (
+                f"{r['layout']}: {r['bytes_on_disk']} bytes on disk, over {SIZE_SLACK} x "
+                f"the {r['param_and_opt_bytes']} raw parameter and optimizer bytes"
+            ),
+        ),
+        Goal(
+            lambda r: r["restored_equal"],
+            lambda r: f"{r['layout']}: the restored parameters differ from the saved ones",
+        ),
+    ]
+
+
+def _mib(key: str):
+    return lambda r: f"{r[key] / 2**20:.1f}"
+
+
+COLUMNS = (
+    ("layout", "14s", "layout"),
+    ("preset", "6s", "preset"),
+    ("step s", "7.3f", "step_time_s"),
+    ("blocking s", "10.3f", "save_blocking_s"),
+    ("first s", "8.3f", "first_save_blocking_s"),
+    ("total s", "8.3f", "save_total_s"),
+    ("step+save s", "11.3f", "step_time_during_save_s"),
+    ("restore s", "9.3f", "restore_s"),
+    ("disk MiB", ">9s", _mib("bytes_on_disk")),
+    ("raw MiB", ">8s", _mib("param_and_opt_bytes")),
+    ("disk/raw", "8.3f", lambda r: r["bytes_on_disk"] / r["param_and_opt_bytes"]),
+)
 
 
 def main(config: BenchConfig) -> list[dict]:
     """Runs every layout, prints a table, writes JSON, checks the goals."""
-    from experiments.cli import ConfigError, finish_rows, setup_devices
+    from experiments import runner
+    from experiments.cli import ConfigError
 
-    if config.steps < 2:
-        raise ConfigError("--steps must be at least 2 (the first step compiles)")
     if config.dir and os.path.exists(config.dir) and os.listdir(config.dir):
         raise ConfigError(f"--dir {config.dir} is not empty; give an empty or new directory")
-    devices = setup_devices(DEVICES)  # before anything starts a JAX backend
-    import jax
-
-    from models.config import get_preset
-    from models.data import DataConfig, SyntheticLlava
-    from models.mllm import MLLM
-
-    cfg = get_preset("tiny" if config.quick else "small")
-    model = MLLM(cfg)
-    data = SyntheticLlava(DataConfig.for_model(cfg, seq_len=cfg.seq_len, seed=0))
-    batches = [data.batch(i, GLOBAL_BATCH) for i in range(config.steps + 2)]
-    work = {"devices": devices, "model": model, "batches": batches}
-    work["params"] = model.init(jax.random.key(0))
+    devices = runner.start(DEVICES, steps=config.steps)
+    base = runner.bench_config(
+        steps=100,
+        optimizer={"warmup_steps": 0},
+        model={"preset": "tiny" if config.quick else "small"},
+        data={"global_batch": GLOBAL_BATCH},
+    )
+    work = {"devices": devices, "base": base, "params": runner.init_params(base)}
     temporary = None if config.dir else tempfile.TemporaryDirectory(prefix="bench_checkpoint_")
     root = Path(config.dir or temporary.name)
     t0 = time.perf_counter()
-    rows = []
-    for scenario in SCENARIOS:
-        rows.append(run(scenario, work, config.steps, root / scenario.name))
-        print(
-            f"  measured {scenario.name} ({time.perf_counter() - t0:.0f} s)",
-            file=sys.stderr,
-            flush=True,
-        )
+    rows = runner.measured(
+        SCENARIOS, lambda s: run(s, work, config.steps, root / s.name), lambda s: s.name
+    )
     if temporary is not None:
         temporary.cleanup()
-    print_table(rows)
+    runner.print_table(rows, COLUMNS)
     print(f"{len(rows)} rows in {time.perf_counter() - t0:.0f} s")
-    finish_rows(rows, config.json, check(rows, blocking=not config.quick), "goal missed")
+    missed = runner.missed(rows, goals(blocking=not config.quick))
+    runner.finish_rows(rows, config.json, missed, "goal missed")
     return rows
 
 
-def parse_args(argv: list[str]) -> BenchConfig:
-    from experiments.cli import OneLineParser, positive_int
-
-    p = OneLineParser(prog="bench_checkpoint", description=__doc__.splitlines()[0])
-    d = BenchConfig()
-    p.add_argument("--json", default=d.json, help="write the rows as a JSON list")
-    p.add_argument("--quick", action="store_true", help="the tiny preset (for the test)")
-    p.add_argument("--steps", type=positive_int, default=d.steps, help="steps before saving")
+def flags(p: Any, d: BenchConfig) -> None:
     p.add_argument("--dir", default=d.dir, help="where checkpoints go (default: a temp dir)")
-    return BenchConfig(**vars(p.parse_args(argv)))
 
 
 if __name__ == "__main__":
-    from experiments.cli import run_cli
+    from experiments.runner import run_bench
 
-    def _run(argv: list[str]) -> int:
-        main(parse_args(argv))
-        return 0
-
-    run_cli(_run, "bench_checkpoint")
+    quick = "the tiny preset (for the test)"
+    run_bench(main, BenchConfig, prog="bench_checkpoint", doc=__doc__, quick=quick, flags=flags)

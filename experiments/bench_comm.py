@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 import time
 from collections import defaultdict
 from typing import Any
@@ -130,34 +129,26 @@ def module_rows(ex, rec) -> dict[str, dict[str, Any]]:
 # -- one scenario ---------------------------------------------------------------------------
 
 
-def build(scenario: Scenario, mode: str, work: dict, observers=()):
-    """The executor of ``scenario`` in ``mode`` (``colocated`` or ``homogeneous``)."""
-    import hetjax
-
-    model, params = work[scenario.preset][:2]
-    layouts = {k: hetjax.Layout.parse(v, module=k) for k, v in scenario.layouts.items()}
-    model.validate_layouts(layouts)
-    return hetjax.Executor(
-        model.train_graph(layouts),
-        params,
-        devices=work["devices"],
-        mode=mode,
-        microbatches=scenario.microbatches,
-        optimizer=hetjax.OptimizerConfig(total_steps=100, warmup_steps=0),
-        observers=observers,
-    )
-
-
 def run(scenario: Scenario, mode: str, work: dict, steps: int) -> list[dict]:
     """Rows of one (scenario, mode): one per module."""
     import jax
 
+    from experiments import runner
     from hetjax.inspect import Recorder, Timer
 
-    batches = work[scenario.preset][2]
     rec = Recorder()
     placement = "colocated" if mode == "heterogeneous" else "homogeneous"
-    ex = build(scenario, placement, work, observers=[rec])
+    cfg = runner.variant(
+        work["base"],
+        model={"preset": scenario.preset},
+        parallel={
+            "microbatches": scenario.microbatches,
+            **runner.layout_fields(scenario.layouts, placement),
+        },
+    )
+    params = work[scenario.preset]
+    tr = runner.trainer(cfg, devices=work["devices"], observers=[rec], params=params)
+    ex, batches = tr.engine, runner.batches(tr, steps)
     jax.block_until_ready(ex.step(batches[0]))
     rec.pause()  # calls and bytes of the first step; its compiles are all there are
     timer = Timer()
@@ -216,85 +207,57 @@ def check(rows: list[dict]) -> list[str]:
     return bad
 
 
-def print_table(rows: list[dict]) -> None:
-    from hetjax.inspect import KINDS
+def _kib(key: str, kind: str | None = None):
+    def get(r: dict) -> str:
+        return f"{(r[key] if kind is None else r[key][kind]) / 1024:.0f}"
 
-    def kib(n: int) -> str:
-        return f"{n / 1024:.0f}"
+    return get
+
+
+def columns() -> list:
+    from hetjax.inspect import KINDS
 
     short = {"all-reduce": "AR", "all-gather": "AG", "reduce-scatter": "RS"}
     short |= {"all-to-all": "A2A", "collective-permute": "CP"}
-    head = " ".join(f"{short[k] + ' KiB':>9s}" for k in KINDS)
-    print(
-        f"{'scenario':8s} {'mode':13s} {'module':7s} {'layout':26s} {head} {'bound KiB':>9s}"
-        f" {'peak KiB':>9s} {'step ms':>8s} {'comp ms':>8s}"
-    )
-    for r in rows:
-        cols = " ".join(f"{kib(r['collective_bytes'][k]):>9s}" for k in KINDS)
-        print(
-            f"{r['scenario']:8s} {r['mode']:13s} {r['module']:7s} {r['layout']:26s} {cols}"
-            f" {kib(r['boundary_bytes']):>9s} {kib(r['peak_bytes_per_device']):>9s}"
-            f" {1e3 * r['step_time_s']:8.1f} {1e3 * r['compute_time_s']:8.1f}"
-        )
+    return [
+        ("scenario", "8s", "scenario"),
+        ("mode", "13s", "mode"),
+        ("module", "7s", "module"),
+        ("layout", "26s", "layout"),
+        *((f"{short[k]} KiB", ">9s", _kib("collective_bytes", k)) for k in KINDS),
+        ("bound KiB", ">9s", _kib("boundary_bytes")),
+        ("peak KiB", ">9s", _kib("peak_bytes_per_device")),
+        ("step ms", "8.1f", lambda r: 1e3 * r["step_time_s"]),
+        ("comp ms", "8.1f", lambda r: 1e3 * r["compute_time_s"]),
+    ]
 
 
 def main(config: BenchConfig) -> list[dict]:
     """Runs every scenario in both modes, prints a table, writes JSON, checks."""
-    from experiments.cli import ConfigError, finish_rows, setup_devices, share_compiles
-
-    if config.steps < 2:
-        raise ConfigError("--steps must be at least 2 (the first step compiles)")
-    devices = setup_devices(DEVICES)  # before anything starts a JAX backend
-    import jax
-
-    from models.config import get_preset
-    from models.data import DataConfig, SyntheticLlava
-    from models.mllm import MLLM
+    from experiments import runner
 
     # Both modes of a scenario compile the same LLM programs: the second loads them.
-    cache = share_compiles("bench_comm_")
+    devices = runner.start(DEVICES, steps=config.steps, cache="bench_comm_")
     scenarios = [s for s in SCENARIOS if not config.quick or s.name in QUICK]
     steps = min(config.steps, 3) if config.quick else config.steps
-    work: dict[str, Any] = {"devices": devices}
+    base = runner.bench_config(
+        steps=100, optimizer={"warmup_steps": 0}, data={"global_batch": GLOBAL_BATCH}
+    )
+    work: dict[str, Any] = {"devices": devices, "base": base}
     for name in dict.fromkeys(s.preset for s in scenarios):
-        cfg = get_preset(name)
-        model = MLLM(cfg)
-        data = SyntheticLlava(DataConfig.for_model(cfg, seq_len=cfg.seq_len, seed=0))
-        batches = [data.batch(i, GLOBAL_BATCH) for i in range(steps)]
-        work[name] = (model, model.init(jax.random.key(0)), batches)
+        work[name] = runner.init_params(runner.variant(base, model={"preset": name}))
     t0 = time.perf_counter()
-    rows = []
-    for scenario in scenarios:
-        for mode in ("heterogeneous", "homogeneous"):
-            rows += run(scenario, mode, work, steps)
-            print(
-                f"  measured {scenario.name} {mode} ({time.perf_counter() - t0:.0f} s)",
-                file=sys.stderr,
-                flush=True,
-            )
-    print_table(rows)
+    runs = [(s, mode) for s in scenarios for mode in ("heterogeneous", "homogeneous")]
+    per_run = runner.measured(runs, lambda r: run(*r, work, steps), lambda r: f"{r[0].name} {r[1]}")
+    rows = [row for module_rows in per_run for row in module_rows]
+    runner.print_table(rows, columns())
     print(f"{len(rows)} rows in {time.perf_counter() - t0:.0f} s")
-    cache.cleanup()
-    finish_rows(rows, config.json, check(rows), "condition violated")
+    runner.finish_rows(rows, config.json, check(rows), "condition violated")
     return rows
 
 
-def parse_args(argv: list[str]) -> BenchConfig:
-    from experiments.cli import OneLineParser, positive_int
-
-    p = OneLineParser(prog="bench_comm", description=__doc__.splitlines()[0])
-    d = BenchConfig()
-    p.add_argument("--json", default=d.json, help="write the rows as a JSON list")
-    p.add_argument("--quick", action="store_true", help="scenarios cp2 and moe (for the test)")
-    p.add_argument("--steps", type=positive_int, default=d.steps, help="steps per executor")
-    return BenchConfig(**vars(p.parse_args(argv)))
-
-
 if __name__ == "__main__":
-    from experiments.cli import run_cli
+    from experiments.runner import run_bench
 
-    def _run(argv: list[str]) -> int:
-        main(parse_args(argv))
-        return 0
-
-    run_cli(_run, "bench_comm")
+    quick = "scenarios cp2 and moe (for the test)"
+    run_bench(main, BenchConfig, prog="bench_comm", doc=__doc__, quick=quick)

@@ -3,8 +3,9 @@
     python -m experiments.bench_engine --json out.json [--quick] [--steps N]
 
 Rows: recompute ``none`` / ``selective`` / ``full`` x placement ``colocated`` /
-``non-colocated`` / ``homogeneous``, each one :class:`hetjax.Executor` of the ``small``
-preset on 8 simulated CPU devices, global batch 16 in 4 microbatches. ``--quick`` (for
+``non-colocated`` / ``homogeneous``, each a :class:`hetjax.config.TrainConfig` variant
+(``parallel.recompute``, layouts and placement) run by :mod:`experiments.runner` on the
+``small`` preset on 8 simulated CPU devices, global batch 16 in 4 microbatches. ``--quick`` (for
 the test) runs every kind of row once on ``tiny``: the three policies non-colocated,
 colocated with ``none`` and homogeneous with ``full`` (``QUICK_POLICIES``), both cp rows,
 the dispatch row and the 2-process row. Layouts: colocated vision ``dp=4,tp=2`` |
@@ -79,8 +80,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import statistics
-import sys
-import time
 from typing import Any
 
 import numpy as np
@@ -118,19 +117,12 @@ class BenchConfig:
 
 def reference_flops(work: dict) -> float:
     """Matmul FLOPs of the fused reference step on one device."""
-    import jax
-
-    import hetjax
+    from experiments import runner
     from hetjax.inspect.hlo import matmul_flops
 
-    trainer = hetjax.ReferenceTrainer(
-        work["model"].loss_sum,
-        work["params"],
-        hetjax.make_optimizer(hetjax.OptimizerConfig(total_steps=2)),
-        devices=jax.devices()[:1],
-        microbatches=MICROBATCHES,
-    )
-    return float(matmul_flops(trainer.lower(work["batches"][0]).compile().as_text()))
+    row = runner.variant(work["base"], parallel={"reference": True})
+    tr = runner.trainer(row, devices=work["devices"][:1], params=work["params"])
+    return float(matmul_flops(tr.engine.lower(tr.data.batch(0)).compile().as_text()))
 
 
 def cp_grad_reductions(rec: Any, ex: Any) -> int:
@@ -178,33 +170,20 @@ def cp_grad_reductions(rec: Any, ex: Any) -> int:
     return max(counts.values(), default=0)
 
 
-def run(policy: str, placement: str, work: dict, steps: int, layouts=None) -> dict:
+def run(policy: str, placement: str, work: dict, layouts=None) -> dict:
     """One row: trains ``steps`` steps, counting the second step's calls; ``layouts``
     (the cp row) instead of the placement's."""
-
-    import hetjax
-    from experiments.cli import timed_steps
+    from experiments import runner
     from hetjax.inspect import Recorder
     from hetjax.inspect.hlo import cost_flops, matmul_flops
 
-    model, batches = work["model"], work["batches"]
     texts = layouts or LAYOUTS[placement]
-    layouts = {k: hetjax.Layout.parse(v) for k, v in texts.items()}
-    graph = model.train_graph(layouts).with_recompute({"*": policy})
+    parallel = {**runner.layout_fields(texts, placement), "recompute": {"*": policy}}
     rec = Recorder()
-    ex = hetjax.Executor(
-        graph,
-        work["params"],
-        devices=work["devices"],
-        mode=placement,
-        islands={k: l.num_devices for k, l in layouts.items()}
-        if placement == "non-colocated"
-        else None,
-        microbatches=MICROBATCHES,
-        optimizer=hetjax.OptimizerConfig(total_steps=steps),
-        observers=[rec],
-    )
-    times = timed_steps(ex, batches[:steps], rec)  # rec: the second step's calls
+    cfg = runner.variant(work["base"], parallel=parallel)
+    tr = runner.trainer(cfg, devices=work["devices"], observers=[rec], params=work["params"])
+    ex, batches = tr.engine, runner.batches(tr, cfg.steps)
+    times = runner.timed_steps(ex, batches, rec)  # rec: the second step's calls
     size = {key: prog.mesh.size for key, prog in ex.programs.items()}
     compiled = rec.per_step(lambda c: matmul_flops(c.as_text()), size)
 
@@ -223,36 +202,30 @@ def run(policy: str, placement: str, work: dict, steps: int, layouts=None) -> di
         "peak_stash_entries_per_stage": by_stage(rec.stash_entries),
         "step_time_s": statistics.median(times),
     }
-    if any(l.cp > 1 for l in layouts.values()):
+    if any(m.layout.cp > 1 for m in ex.graph.modules):
         row["cp_grad_reductions_per_step"] = cp_grad_reductions(rec, ex)
     return row
 
 
 def dispatch_row(devices: list, steps: int) -> dict:
     """The negligible-compute row: executor vs fused step time (see the module doc)."""
-    import jax
-
     from experiments import bench_executor as be
+    from experiments import runner
     from hetjax.runtime.graph import DEFAULT_RECOMPUTE
-    from models.data import DataConfig, SyntheticLlava
-    from models.mllm import MLLM
 
-    preset = be.nano_preset(llm_depth=4)  # pp=4 splits the layers evenly
-    seq_len = DataConfig.for_model(preset, seq_len=1, seed=0).max_sample_tokens() - 1
-    model = MLLM(preset)
-    data = SyntheticLlava(DataConfig.for_model(preset, seq_len=seq_len, seed=0))
-    work = be.Workload(model, model.init(jax.random.key(0)), data, len(devices))
+    # pp=4 splits the layers evenly
+    work = be.make_workload("nano", seq_len=None, microbatch_size=len(devices), llm_depth=4)
     m = DISPATCH_MICROBATCHES
     row = be.Row(DISPATCH_LAYOUTS, "non-colocated", "1f1b", m)
-    ex = be.build_executor(row, work, devices, steps)
-    host, total = be.timed_steps(ex, work.batches(m, steps))
-    guard, syncs = ex.inflight_guard, ex.inflight_syncs / steps
-    del ex
+    tr = be.build_trainer(row, work, devices, steps)
+    host, total = be.timed_steps(tr.engine, runner.batches(tr, steps))
+    guard, syncs = tr.engine.inflight_guard, tr.engine.inflight_syncs / steps
+    del tr
     fused = be.fused_step_time(work, m, devices, steps)
     one = be.fused_step_time(dataclasses.replace(work, fused={}), m, devices[:1], steps)
     step = statistics.median(total)
     return {
-        "recompute": DEFAULT_RECOMPUTE,  # the graph's default (build_executor sets none)
+        "recompute": DEFAULT_RECOMPUTE,  # the graph's default (the row sets no policy)
         "placement": "dispatch",
         "layouts": DISPATCH_LAYOUTS,
         "microbatches": m,
@@ -324,46 +297,49 @@ def check(rows: list[dict]) -> list[str]:
     return bad
 
 
-def print_table(rows: list[dict]) -> None:
-    print(
-        f"{'placement':<14} {'recompute':<10} {'GFLOP/step':>11} {'reference':>10} {'ratio':>6}"
-        f" {'stash MiB per stage (peak, all devices)':<44} {'step s':>7}"
-    )
-    for r in rows:
-        stash = ", ".join(
-            f"{k} {v / 2**20:.2f}" for k, v in r["peak_stash_bytes_per_stage"].items()
-        )
-        where = r["placement"]
-        if "cp_grad_reductions_per_step" in r:
-            where = f"llm {r['layouts']['llm']}"
-        print(
-            f"{where:<14} {r['recompute']:<10} {r['flops_per_step'] / 1e9:11.3f}"
-            f" {r['reference_flops_per_step'] / 1e9:10.3f} {r['flops_ratio']:6.3f}"
-            f" {stash:<44} {r['step_time_s']:7.3f}"
-        )
+def _stash(r: dict) -> str:
+    return ", ".join(f"{k} {v / 2**20:.2f}" for k, v in r["peak_stash_bytes_per_stage"].items())
+
+
+def _where(r: dict) -> str:
+    cp_row = "cp_grad_reductions_per_step" in r
+    return f"llm {r['layouts']['llm']}" if cp_row else r["placement"]
+
+
+COLUMNS = (
+    ("placement", "<14", _where),
+    ("recompute", "<10", "recompute"),
+    ("GFLOP/step", "11.3f", lambda r: r["flops_per_step"] / 1e9),
+    ("reference", "10.3f", lambda r: r["reference_flops_per_step"] / 1e9),
+    ("ratio", "6.3f", "flops_ratio"),
+    ("stash MiB per stage (peak, all devices)", "<44", _stash),
+    ("step s", "7.3f", "step_time_s"),
+)
 
 
 def main(config: BenchConfig) -> list[dict]:
     """Runs the rows, prints a table, writes JSON, checks the goals."""
-    from experiments.cli import finish_rows, synthetic_work
+    from experiments import runner
 
-    work = synthetic_work(
-        DEVICES, quick=config.quick, steps=config.steps, global_batch=GLOBAL_BATCH
+    devices = runner.start(DEVICES, steps=config.steps)
+    base = runner.bench_config(
+        steps=config.steps,
+        model={"preset": "tiny" if config.quick else "small"},
+        data={"global_batch": GLOBAL_BATCH},
+        parallel={"microbatches": MICROBATCHES},
     )
+    work = {"devices": devices, "base": base, "params": runner.init_params(base)}
     work["reference_flops"] = reference_flops(work)
-    t0 = time.perf_counter()
-    rows = []
-    for placement in LAYOUTS:
-        for policy in QUICK_POLICIES[placement] if config.quick else POLICIES:
-            rows.append(run(policy, placement, work, config.steps))
-            print(
-                f"  measured {placement} {policy} ({time.perf_counter() - t0:.0f} s)",
-                file=sys.stderr,
-            )
+    policies = QUICK_POLICIES if config.quick else dict.fromkeys(LAYOUTS, POLICIES)
+    rows = runner.measured(
+        [(placement, policy) for placement in LAYOUTS for policy in policies[placement]],
+        lambda row: run(row[1], row[0], work),
+        " ".join,
+    )
     for layouts in (CP_LAYOUTS, CP_TP_LAYOUTS):
-        rows.append(run("none", "colocated", work, config.steps, layouts))
+        rows.append(run("none", "colocated", work, layouts))
     rows.append(dispatch_row(work["devices"], 5 if config.quick else DISPATCH_STEPS))
-    print_table([r for r in rows if "flops_ratio" in r])
+    runner.print_table([r for r in rows if "flops_ratio" in r], COLUMNS)
     d = rows[-1]
     rows.append(compile_row())
     c = rows[-1]
@@ -387,12 +363,12 @@ def main(config: BenchConfig) -> list[dict]:
                 f"llm {r['layouts']['llm']}: parameter gradients reduced over cp "
                 f"{r['cp_grad_reductions_per_step']}x per step"
             )
-    finish_rows(rows, config.json, check(rows), "goal missed")
+    runner.finish_rows(rows, config.json, check(rows), "goal missed")
     return rows
 
 
 if __name__ == "__main__":
-    from experiments.cli import run_bench
+    from experiments.runner import run_bench
 
     run_bench(
         main,

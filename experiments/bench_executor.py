@@ -2,12 +2,13 @@
 
     python -m experiments.bench_executor --json out.json [--png-dir DIR] [--quick]
 
-Each row is one :class:`hetjax.Executor` with ``--devices`` simulated CPU devices (8 by
-default) for a layout in one of three placements and a microbatch count M: colocated
+Each row is a :class:`hetjax.config.TrainConfig` variant run by
+:mod:`experiments.runner`'s trainer on ``--devices`` simulated CPU devices (8 by
+default): a layout in one of three placements and a microbatch count M: colocated
 (vision ``dp=8``, LLM ``dp=2,tp=2,pp=2``; the three-phase schedule, whose LLM phase is
 1F1B), non-colocated (vision ``dp=4`` | LLM ``dp=2,pp=2`` on islands 4 + 4) and the
-homogeneous baseline of ``dp=2,tp=2,pp=2``, the last two under 1F1B and GPipe, each for M
-in {2, 4, 8}. Layouts scale with ``--devices`` (a multiple of 4). The model is the
+homogeneous baseline of ``dp=2,tp=2,pp=2``, the last two under 1F1B and GPipe, each for
+M in {2, 4, 8}. Layouts scale with ``--devices`` (a multiple of 4). The model is the
 ``tiny`` preset; ``--quick`` (for the test) runs every row kind on ``nano``, tiny shrunk
 to negligible compute: the non-colocated rows with M in {2, 4}, colocated M = 2 and the
 homogeneous rows with M = 2. A microbatch always holds ``--microbatch-size`` samples
@@ -17,7 +18,7 @@ the one ``JAX_COMPILATION_CACHE_DIR`` names), which turns later compiles of an i
 program into loads.
 
 Everything is measured through the executor's public observer hooks: each row's
-executor is built with three observers (:class:`hetjax.inspect.Recorder`,
+trainer builds its executor with three observers (:class:`hetjax.inspect.Recorder`,
 :class:`hetjax.inspect.AsyncTimer` and :class:`hetjax.inspect.LiveSampler`), each
 listening during one step.
 
@@ -31,8 +32,9 @@ How each figure is measured, and its limits:
   below come from executors without observers.
 - ``compiles_after_step1`` / ``compiles_after_step5``: ``jax.monitoring`` backend-compile
   events (:class:`hetjax.inspect.CompileCounter`), cumulative from the start of the
-  executor's construction. An executable loaded from the persistent cache counts too (the
-  event wraps compile-or-load), so equal counts mean no program was rebuilt for steps 2-5.
+  trainer's construction (its executor's; the parameters are the workload's). An
+  executable loaded from the persistent cache counts too (the event wraps
+  compile-or-load), so equal counts mean no program was rebuilt for steps 2-5.
 - ``dp_reductions_per_param_per_step``: every stage's ``bwd`` and ``reduce`` as the
   executor compiled them in step 1 (``on_compile``, kept by the Recorder). In the HLO an
   all-reduce is a DP reduction when one of its replica groups spans devices with
@@ -196,16 +198,31 @@ def _stage_depths(ex) -> tuple[list[int], int]:
 
 @dataclasses.dataclass
 class Workload:
-    """A model with its parameters and data, and what has been measured on it."""
+    """A model with its parameters, and what has been measured on it."""
 
-    model: Any  # models.mllm.MLLM
+    base: Any  # hetjax.config.TrainConfig: the model's settings (model.seq_len, seed)
+    preset: Any  # models.config.MLLMConfig
     params: Any
-    data: Any  # models.data.SyntheticLlava
     microbatch_size: int  # samples per microbatch
     fused: dict[int, float] = dataclasses.field(default_factory=dict)  # M -> fused step s
 
-    def batches(self, m: int, count: int) -> list[dict]:
-        return [self.data.batch(i, m * self.microbatch_size) for i in range(count)]
+    def config(self, m: int, steps: int, **parallel: Any) -> Any:
+        """The row of ``m`` microbatches trained ``steps`` steps, with ``parallel``."""
+        from experiments.runner import variant
+
+        return variant(
+            self.base,
+            steps=steps,
+            data={"global_batch": m * self.microbatch_size},
+            parallel={"microbatches": m, **parallel},
+        )
+
+    def trainer(self, config: Any, devices: list, observers=()) -> Any:
+        from experiments import runner
+
+        return runner.trainer(
+            config, devices=devices, observers=observers, preset=self.preset, params=self.params
+        )
 
 
 def nano_preset(llm_depth: int = 2) -> Any:
@@ -221,43 +238,29 @@ def nano_preset(llm_depth: int = 2) -> Any:
     )
 
 
-def make_workload(name: str, *, seq_len: int | None, microbatch_size: int) -> Workload:
-    """``tiny`` (the preset) or ``nano`` (tiny shrunk to negligible compute, shortest
-    valid sequence) on a fixed seed."""
-    import jax
-
+def make_workload(
+    name: str, *, seq_len: int | None, microbatch_size: int, llm_depth: int = 2
+) -> Workload:
+    """``tiny`` (the preset) or ``nano`` (tiny shrunk to negligible compute, ``llm_depth``
+    LLM layers, shortest valid sequence) on a fixed seed."""
+    from experiments import runner
     from models.config import get_preset
-    from models.data import DataConfig, SyntheticLlava
-    from models.mllm import MLLM
+    from models.data import DataConfig
 
-    preset = nano_preset() if name == "nano" else get_preset("tiny")
+    preset = nano_preset(llm_depth) if name == "nano" else get_preset("tiny")
     if name == "nano":
         shortest = DataConfig.for_model(preset, seq_len=1, seed=0).max_sample_tokens() - 1
         seq_len = seq_len or shortest
-    data = SyntheticLlava(DataConfig.for_model(preset, seq_len=seq_len or preset.seq_len, seed=0))
-    model = MLLM(preset)
-    return Workload(model, model.init(jax.random.key(0)), data, microbatch_size)
+    base = runner.bench_config(model={"preset": "tiny", "seq_len": seq_len})
+    return Workload(base, preset, runner.init_params(base, preset), microbatch_size)
 
 
-def build_executor(row: Row, work: Workload, devices: list, steps: int, observers=()):
-    import hetjax
+def build_trainer(row: Row, work: Workload, devices: list, steps: int, observers=()):
+    """The trainer of ``row`` on ``work`` (its executor: ``.engine``)."""
+    from experiments.runner import layout_fields
 
-    layouts = {k: hetjax.Layout.parse(v) for k, v in row.layouts.items()}
-    work.model.validate_layouts(layouts)
-    islands = None
-    if row.placement == "non-colocated":
-        islands = {k: l.num_devices for k, l in layouts.items()}
-    return hetjax.Executor(
-        work.model.train_graph(layouts),
-        work.params,
-        devices=devices,
-        mode=row.placement,
-        islands=islands,
-        microbatches=row.microbatches,
-        schedule=row.schedule,
-        optimizer=hetjax.OptimizerConfig(total_steps=steps),
-        observers=observers,
-    )
+    fields = dict(schedule=row.schedule, **layout_fields(row.layouts, row.placement))
+    return work.trainer(work.config(row.microbatches, steps, **fields), devices, observers)
 
 
 def timed_steps(trainer, batches: list[dict]) -> tuple[list[float], list[float]]:
@@ -278,13 +281,14 @@ def timed_steps(trainer, batches: list[dict]) -> tuple[list[float], list[float]]
 def run_row(row: Row, work: Workload, light: Workload, devices: list, counter, config) -> dict:
     """Builds the executor of ``row`` on ``work``, measures it, returns one JSON row;
     the dispatch overhead is measured on ``light`` (the same workload, or a nano one)."""
+    from experiments import runner
     from hetjax.inspect import AsyncTimer, LiveSampler, Recorder, Timer
 
     m, steps = row.microbatches, config.steps
-    batches = work.batches(m, steps + 3)
-    start = counter.count
     rec, timer, sampler = Recorder(), AsyncTimer(), LiveSampler()
-    ex = build_executor(row, work, devices, steps + 3, observers=[rec, timer, sampler])
+    start = counter.count
+    tr = build_trainer(row, work, devices, steps + 3, observers=[rec, timer, sampler])
+    ex, batches = tr.engine, runner.batches(tr, steps + 3)
     stage_ids = dict(ex.stage_ids)  # homogeneous: encoders run inside the sink's stage 0
     fused_into = stage_ids[(ex.graph.sink, 0)]
 
@@ -357,11 +361,11 @@ def run_row(row: Row, work: Workload, light: Workload, devices: list, counter, c
         peak_live_bytes_per_stage=live_peaks,
         bubble_measured_profiled=[1.0 - b / wall for b in busy],
     )
-    del ex, rec, timer, sampler
+    del ex, tr, rec, timer, sampler
     gc.collect()
-    light_ex = build_executor(row, light, devices, DISPATCH_STEPS)
-    host, total = timed_steps(light_ex, light.batches(m, DISPATCH_STEPS))
-    del light_ex
+    light_tr = build_trainer(row, light, devices, DISPATCH_STEPS)
+    host, total = timed_steps(light_tr.engine, runner.batches(light_tr, DISPATCH_STEPS))
+    del light_tr
     gc.collect()
     fused = fused_step_time(light, m, devices, DISPATCH_STEPS)
     out.update(
@@ -376,17 +380,11 @@ def run_row(row: Row, work: Workload, light: Workload, devices: list, counter, c
 def fused_step_time(work: Workload, m: int, devices: list, steps: int) -> float:
     """Median steady-state step of the reference trainer (one jit), cached per M."""
     if m not in work.fused:
-        import hetjax
+        from experiments import runner
 
-        axes = {name: mod.logical_axes() for name, mod in work.model.modules.items()}
-        optimizer = hetjax.make_optimizer(
-            hetjax.OptimizerConfig(total_steps=steps), logical_axes=axes
-        )
-        trainer = hetjax.ReferenceTrainer(
-            work.model.loss_sum, work.params, optimizer, devices=devices, microbatches=m
-        )
-        work.fused[m] = statistics.median(timed_steps(trainer, work.batches(m, steps))[1])
-        del trainer
+        tr = work.trainer(work.config(m, steps, reference=True), devices)
+        work.fused[m] = statistics.median(timed_steps(tr.engine, runner.batches(tr, steps))[1])
+        del tr
         gc.collect()
     return work.fused[m]
 
@@ -443,24 +441,30 @@ def check(rows: list[dict]) -> list[str]:
     return bad
 
 
-def print_table(rows: list[dict]) -> None:
-    def fmt(xs, f="{:.2f}"):
-        return "/".join(f.format(x) for x in xs)
+def _joined(key: str, fmt: str = "{:.2f}", scale: float = 1.0):
+    return lambda r: "/".join(fmt.format(x / scale) for x in r[key])
 
-    print(
-        f"{'placement':13s} {'sched':5s} {'M':>2s} {'step ms':>8s} {'c1':>3s} {'c5':>3s}"
-        f" {'dpred':>5s} {'stash KiB per stage':>20s} {'bound':>5s} {'bubble meas':>15s}"
-        f" {'bubble sim':>15s} {'disp x':>6s}"
-    )
-    for r in rows:
-        kib = fmt([b / 1024 for b in r["peak_activation_bytes_per_stage"]], "{:.0f}")
-        print(
-            f"{r['placement']:13s} {r['schedule']:5s} {r['microbatches']:2d}"
-            f" {1e3 * r['step_time_s']:8.1f} {r['compiles_after_step1']:3d}"
-            f" {r['compiles_after_step5']:3d} {r['dp_reductions_per_param_per_step']:5.2f}"
-            f" {kib:>20s} {r['activation_bound']:>5s} {fmt(r['bubble_measured']):>15s}"
-            f" {fmt(r['bubble_simulated']):>15s} {r['dispatch_overhead_ratio']:6.2f}"
-        )
+
+COLUMNS = (
+    ("placement", "13s", "placement"),
+    ("sched", "5s", "schedule"),
+    ("M", "2d", "microbatches"),
+    ("step ms", "8.1f", lambda r: 1e3 * r["step_time_s"]),
+    ("c1", "3d", "compiles_after_step1"),
+    ("c5", "3d", "compiles_after_step5"),
+    ("dpred", "5.2f", "dp_reductions_per_param_per_step"),
+    ("stash KiB per stage", ">20s", _joined("peak_activation_bytes_per_stage", "{:.0f}", 1024)),
+    ("bound", ">5s", "activation_bound"),
+    ("bubble meas", ">15s", _joined("bubble_measured")),
+    ("bubble sim", ">15s", _joined("bubble_simulated")),
+    ("disp x", "6.2f", "dispatch_overhead_ratio"),
+)
+
+
+def print_table(rows: list[dict]) -> None:
+    from experiments.runner import print_table as table
+
+    table(rows, COLUMNS)
     for layout in dict.fromkeys(r["layout"] for r in rows):
         stages = next(r["stages"] for r in rows if r["layout"] == layout)
         print(f"  {layout}: stages {', '.join(stages)}")
@@ -468,14 +472,13 @@ def print_table(rows: list[dict]) -> None:
 
 def main(config: BenchConfig) -> list[dict]:
     """Runs every row, prints a table, writes JSON, and fails on a violated condition."""
-    from experiments.cli import ConfigError, finish_rows, setup_devices, share_compiles
+    from experiments import runner
+    from experiments.cli import ConfigError
 
     if config.devices % 4 or config.steps < 5:
         raise ConfigError("--devices must be a multiple of 4 and --steps at least 5")
-    devices = setup_devices(config.devices)  # before anything starts a JAX backend
-
     # Rows of one layout share their programs: later executors load them from this cache.
-    cache = share_compiles("bench_executor_")
+    devices = runner.start(config.devices, cache="bench_executor_")
     from hetjax.inspect import CompileCounter
 
     counter = CompileCounter().start()  # cumulative: rows read differences of its count
@@ -491,30 +494,23 @@ def main(config: BenchConfig) -> list[dict]:
     if config.png_dir:
         pathlib.Path(config.png_dir).mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    rows = []
-    for row in make_rows(config.devices, config.quick):
-        rows.append(run_row(row, work, light, devices, counter, config))
-        print(
-            f"  measured {row.placement} {row.schedule} M={row.microbatches} "
-            f"({time.perf_counter() - t0:.0f} s)",
-            file=sys.stderr,
-            flush=True,
-        )
+    rows = runner.measured(
+        make_rows(config.devices, config.quick),
+        lambda row: run_row(row, work, light, devices, counter, config),
+        lambda row: f"{row.placement} {row.schedule} M={row.microbatches}",
+    )
     activation_bound(rows)
     print_table(rows)
     print(f"{len(rows)} rows in {time.perf_counter() - t0:.0f} s")
     counter.stop()
-    cache.cleanup()
-    finish_rows(rows, config.json, check(rows), "done-when conditions violated")
+    runner.finish_rows(rows, config.json, check(rows), "done-when conditions violated")
     return rows
 
 
-def parse_args(argv: list[str]) -> BenchConfig:
-    from experiments.cli import OneLineParser, positive_int
+def flags(p: Any, d: BenchConfig) -> None:
+    """The flags besides ``--json``, ``--quick`` and ``--steps``."""
+    from experiments.cli import positive_int
 
-    p = OneLineParser(prog="bench_executor", description=__doc__.splitlines()[0])
-    d = BenchConfig()
-    p.add_argument("--json", default=d.json, help="write the rows as a JSON list")
     p.add_argument("--png-dir", default=d.png_dir, help="write each row's simulated Gantt chart")
     p.add_argument(
         "--devices",
@@ -522,21 +518,19 @@ def parse_args(argv: list[str]) -> BenchConfig:
         default=d.devices,
         help="simulated CPU devices, a multiple of 4 (default 8)",
     )
-    p.add_argument("--steps", type=positive_int, default=d.steps, help="steps per row (>= 5)")
     p.add_argument("--microbatch-size", type=positive_int, default=d.microbatch_size)
     p.add_argument("--seq-len", type=positive_int, default=d.seq_len)
     p.add_argument("--model", choices=["tiny", "nano"], default=d.model)
-    p.add_argument(
-        "--quick", action="store_true", help="nano model, every row kind once (about a minute)"
-    )
-    return BenchConfig(**vars(p.parse_args(argv)))
 
 
 if __name__ == "__main__":
-    from experiments.cli import run_cli
+    from experiments.runner import run_bench
 
-    def _run(argv: list[str]) -> int:
-        main(parse_args(argv))
-        return 0
-
-    run_cli(_run, "bench_executor")
+    run_bench(
+        main,
+        BenchConfig,
+        prog="bench_executor",
+        doc=__doc__,
+        quick="nano model, every row kind once (about a minute)",
+        flags=flags,
+    )

@@ -2,7 +2,8 @@
 
     python -m experiments.bench_freeze --json out.json [--quick] [--steps N]
 
-Three rows, each one :class:`hetjax.Executor` of the ``small`` preset (``--quick``, for
+Three rows, each a :class:`hetjax.config.TrainConfig` variant (``model.freeze``) run by
+:mod:`experiments.runner`'s trainer of the ``small`` preset (``--quick``, for
 the test: ``tiny``) on 8 simulated CPU devices, non-colocated (vision ``dp=2,pp=2`` |
 LLM ``dp=2,pp=2`` on islands 4 + 4; the pipelined encoder shows a forward-only stage),
 global batch 8 in 2 microbatches: ``full`` (everything trains), ``vision`` (LLaVA stage
@@ -38,8 +39,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import statistics
-import sys
-import time
 from typing import Any
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -66,39 +65,40 @@ def _nbytes(tree: Any) -> int:
     return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(tree))
 
 
-def run(freeze: tuple[str, ...], work: dict, steps: int) -> dict:
-    """One row: trains ``steps`` steps with ``freeze``, counting the second step's calls."""
+def base_config(config: BenchConfig) -> Any:
+    """The rows' common settings (a row adds ``model.freeze``)."""
+    from experiments.runner import bench_config, layout_fields
 
-    import hetjax
-    from experiments.cli import timed_steps
+    return bench_config(
+        steps=config.steps,
+        model={"preset": "tiny" if config.quick else "small"},
+        data={"global_batch": GLOBAL_BATCH},
+        parallel={"microbatches": MICROBATCHES, **layout_fields(LAYOUTS, "non-colocated")},
+    )
+
+
+def run(row: Any, devices: list) -> dict:
+    """One row: trains ``row.steps`` steps, counting the second step's calls."""
+    from experiments import runner
     from hetjax.inspect import Recorder
     from hetjax.inspect.hlo import cost_flops, matmul_flops
     from hetjax.inspect.memory import peak_bytes
     from hetjax.runtime import flops
 
-    model, batches = work["model"], work["batches"]
-    layouts = {k: hetjax.Layout.parse(v) for k, v in LAYOUTS.items()}
-    graph = model.train_graph(layouts, freeze=freeze)
     rec = Recorder()
-    ex = hetjax.Executor(
-        graph,
-        work["params"],
-        devices=work["devices"],
-        mode="non-colocated",
-        islands={k: l.num_devices for k, l in layouts.items()},
-        microbatches=MICROBATCHES,
-        optimizer=hetjax.OptimizerConfig(total_steps=steps),
-        observers=[rec],
-    )
-    times = timed_steps(ex, batches[:steps], rec)  # rec: the second step's calls
+    tr = runner.trainer(row, devices=devices, observers=[rec])
+    ex, model, graph, seq_len = tr.engine, tr.model.mllm, tr.graph, tr.model.seq_len
+    batches = runner.batches(tr, row.steps)
+    times = runner.timed_steps(ex, batches, rec)  # rec: the second step's calls
     size = {key: prog.mesh.size for key, prog in ex.programs.items()}
     compiled = rec.per_step(lambda c: matmul_flops(c.as_text()), size)
     supervised = int(batches[1]["loss_mask"].sum())
-    forward = model.config.forward_flops(GLOBAL_BATCH, work["seq_len"], supervised)
-    executed = model.config.forward_flops(GLOBAL_BATCH, work["seq_len"], supervised, executed=True)
-    attention = model.config.attention_flops(GLOBAL_BATCH, work["seq_len"], executed=True)
+    forward = model.config.forward_flops(GLOBAL_BATCH, seq_len, supervised)
+    executed = model.config.forward_flops(GLOBAL_BATCH, seq_len, supervised, executed=True)
+    attention = model.config.attention_flops(GLOBAL_BATCH, seq_len, executed=True)
+    freeze = row.model.frozen
     frozen = model.frozen_parts(freeze) if freeze else frozenset()
-    trainable = {k: v for k, v in work["params"].items() if k not in frozen}
+    trainable = {k: v for k, v in ex.full_params().items() if k not in frozen}
     peaks: dict[str, int] = {}
     for (key, _), c in rec.compiled.items():
         name = f"{key[0]}/{key[1]}"
@@ -125,67 +125,70 @@ def add_ratios(rows: list[dict]) -> None:
         r["compiled_vs_expected"] = r["compiled_flops_per_step"] / r["expected_flops_per_step"]
 
 
-def check(rows: list[dict]) -> list[str]:
-    bad = []
-    for r in rows:
-        off = r["flops_ratio_vs_full"] / r["expected_ratio"] - 1
-        if abs(off) > TOLERANCE:
-            bad.append(
-                f"freeze {r['freeze']}: compiled FLOP ratio {r['flops_ratio_vs_full']:.3f} is "
-                f"{off:+.1%} off the expected {r['expected_ratio']:.3f}"
-            )
-        if abs(r["compiled_vs_expected"] - 1) > TOLERANCE:
-            bad.append(
-                f"freeze {r['freeze']}: compiled {r['compiled_flops_per_step']:.4g} FLOPs per "
-                f"step vs the expected {r['expected_flops_per_step']:.4g}"
-            )
-        if r["opt_state_bytes"] > 2 * r["trainable_param_bytes"] + COUNTER_BYTES:
-            bad.append(
+def goals() -> list:
+    """The conditions every row must meet."""
+    from experiments.runner import Goal
+
+    def ratio_off(r: dict) -> float:
+        return r["flops_ratio_vs_full"] / r["expected_ratio"] - 1
+
+    return [
+        Goal(
+            lambda r: abs(ratio_off(r)) <= TOLERANCE,
+            lambda r: (
+                f"freeze {r['freeze']}: compiled FLOP ratio {r['flops_ratio_vs_full']:.3f} "
+                f"is {ratio_off(r):+.1%} off the expected {r['expected_ratio']:.3f}"
+            ),
+        ),
+        Goal(
+            lambda r: abs(r["compiled_vs_expected"] - 1) <= TOLERANCE,
+            lambda r: (
+                f"freeze {r['freeze']}: compiled {r['compiled_flops_per_step']:.4g} FLOPs "
+                f"per step vs the expected {r['expected_flops_per_step']:.4g}"
+            ),
+        ),
+        Goal(
+            lambda r: r["opt_state_bytes"] <= 2 * r["trainable_param_bytes"] + COUNTER_BYTES,
+            lambda r: (
                 f"freeze {r['freeze']}: {r['opt_state_bytes']} B of optimizer state for "
                 f"{r['trainable_param_bytes']} B of trained parameters: frozen parts have state"
-            )
-    return bad
+            ),
+        ),
+    ]
 
 
-def print_table(rows: list[dict]) -> None:
-    print(
-        f"{'freeze':<12} {'GFLOP/step':>11} {'expected':>9} {'ratio':>7} {'expected':>8}"
-        f" {'opt MiB':>8}"
-        f" {'max peak MiB':>12} {'step s':>7}  backward stages"
-    )
-    for r in rows:
-        print(
-            f"{r['freeze']:<12} {r['compiled_flops_per_step'] / 1e9:11.3f}"
-            f" {r['expected_flops_per_step'] / 1e9:9.3f}"
-            f" {r['flops_ratio_vs_full']:7.3f} {r['expected_ratio']:8.3f}"
-            f" {r['opt_state_bytes'] / 2**20:8.2f}"
-            f" {max(r['peak_bytes_per_stage'].values()) / 2**20:12.2f}"
-            f" {r['step_time_s']:7.3f}  {', '.join(r['backward_stages'])}"
-        )
+COLUMNS = (
+    ("freeze", "<12", "freeze"),
+    ("GFLOP/step", "11.3f", lambda r: r["compiled_flops_per_step"] / 1e9),
+    ("expected", "9.3f", lambda r: r["expected_flops_per_step"] / 1e9),
+    ("ratio", "7.3f", "flops_ratio_vs_full"),
+    ("expected", "8.3f", "expected_ratio"),
+    ("opt MiB", "8.2f", lambda r: r["opt_state_bytes"] / 2**20),
+    ("max peak MiB", "12.2f", lambda r: max(r["peak_bytes_per_stage"].values()) / 2**20),
+    ("step s", "7.3f", "step_time_s"),
+    (" backward stages", "", lambda r: " " + ", ".join(r["backward_stages"])),
+)
 
 
 def main(config: BenchConfig) -> list[dict]:
     """Runs the three rows, prints a table, writes JSON, checks the goals."""
-    from experiments.cli import finish_rows, synthetic_work
+    from experiments import runner
 
-    work = synthetic_work(
-        DEVICES, quick=config.quick, steps=config.steps, global_batch=GLOBAL_BATCH
+    devices = runner.start(DEVICES, steps=config.steps)
+    base = base_config(config)
+    rows = runner.measured(
+        [runner.variant(base, model={"freeze": ",".join(f)}) for f in FREEZES],
+        lambda row: run(row, devices),
+        lambda row: row.model.freeze or "none",
     )
-    t0 = time.perf_counter()
-    rows = []
-    for freeze in FREEZES:
-        rows.append(run(freeze, work, config.steps))
-        print(
-            f"  measured {rows[-1]['freeze']} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr
-        )
     add_ratios(rows)
-    print_table(rows)
-    finish_rows(rows, config.json, check(rows), "goal missed")
+    runner.print_table(rows, COLUMNS)
+    runner.finish_rows(rows, config.json, runner.missed(rows, goals()), "goal missed")
     return rows
 
 
 if __name__ == "__main__":
-    from experiments.cli import run_bench
+    from experiments.runner import run_bench
 
     run_bench(
         main, BenchConfig, prog="bench_freeze", doc=__doc__, quick="the tiny preset (for the test)"

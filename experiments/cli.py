@@ -16,9 +16,7 @@ import json
 import os
 import pkgutil
 import sys
-import tempfile
 import threading
-import time
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any, NoReturn
@@ -62,22 +60,6 @@ def allow_slow_collectives(seconds: int = 600) -> None:
     flag = "--xla_cpu_collective_call_terminate_timeout_seconds"
     if flag not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}={seconds}".strip()
-
-
-def share_compiles(prefix: str) -> tempfile.TemporaryDirectory:
-    """Points JAX's persistent compilation cache at a fresh temporary directory, so that
-    the executors of one benchmark that compile the same programs (e.g. two modes of one
-    layout, or two seeds) compile them once; keep the returned directory alive while
-    they run. A cache already configured (``JAX_COMPILATION_CACHE_DIR``, as the tests
-    set) is kept: it serves repeated runs too."""
-    import jax
-
-    cache = tempfile.TemporaryDirectory(prefix=prefix)
-    if not jax.config.jax_compilation_cache_dir:
-        jax.config.update("jax_compilation_cache_dir", cache.name)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    return cache
 
 
 def setup_devices(
@@ -130,67 +112,12 @@ def setup_devices(
     return devices[: requested or len(devices)]
 
 
-def synthetic_work(num_devices: int, *, quick: bool, steps: int, global_batch: int) -> dict:
-    """A FLOPs benchmark's workload on ``num_devices`` (simulated on CPU; call before
-    anything starts a JAX backend): the ``tiny`` (``quick``) or ``small`` MLLM, its
-    parameters from key 0 and ``steps`` synthetic batches of ``global_batch`` (keys
-    ``devices``, ``model``, ``seq_len``, ``batches``, ``params``).
-
-    Raises:
-        ConfigError: fewer than 2 steps (the first one compiles).
-    """
-    if steps < 2:
-        raise ConfigError("--steps must be at least 2 (the first step compiles)")
-    devices = setup_devices(num_devices)
-    import jax
-
-    from models.config import get_preset
-    from models.data import DataConfig, SyntheticLlava
-    from models.mllm import MLLM
-
-    cfg = get_preset("tiny" if quick else "small")
-    model = MLLM(cfg)
-    data = SyntheticLlava(DataConfig.for_model(cfg, seq_len=cfg.seq_len, seed=0))
-    return {
-        "devices": devices,
-        "model": model,
-        "seq_len": cfg.seq_len,
-        "batches": [data.batch(i, global_batch) for i in range(steps)],
-        "params": model.init(jax.random.key(0)),
-    }
-
-
-def timed_steps(ex: Any, batches: list, recorder: Any) -> list[float]:
-    """Steps ``ex`` through ``batches``: the first compiles; ``recorder`` (a
-    :class:`hetjax.inspect.Recorder` observing ``ex``) counts exactly the second step's
-    calls. Returns the wall time of every step after the first, each waited for."""
-    import jax
-
-    jax.block_until_ready(ex.step(batches[0]))
-    recorder.calls.clear()
-    times = []
-    for batch in batches[1:]:
-        t0 = time.perf_counter()
-        jax.block_until_ready((ex.step(batch), ex.state))
-        times.append(time.perf_counter() - t0)
-        recorder.pause()
-    return times
-
-
 def write_json(path: str | None, obj: Any) -> None:
     """Writes ``obj`` as indented JSON to ``path``; nothing when ``path`` is empty (the
     ``--json`` flag of every entry point)."""
     if path:
         with open(path, "w") as f:
             json.dump(obj, f, indent=1)
-
-
-def finish_rows(rows: list[dict], json_path: str | None, violations: list[str], what: str) -> None:
-    """A benchmark's ending: writes ``rows`` as a JSON list to ``json_path`` (if given),
-    then exits non-zero with ``what`` and one line per violated condition (if any)."""
-    write_json(json_path, rows)
-    if violations:
-        raise SystemExit(f"{what}:\n" + "\n".join(violations))
 
 
 def run_cli(main: Callable[[list[str]], int], prog: str) -> NoReturn:
@@ -226,27 +153,3 @@ def _silence_stderr() -> None:
         os.dup2(devnull, 2)
     except OSError:
         pass
-
-
-def bench_args(argv: list[str], config: type, *, prog: str, description: str, quick: str) -> Any:
-    """A FLOPs benchmark's flags (``--json``, ``--quick``, ``--steps``) parsed into its
-    ``config`` dataclass (whose defaults they take); ``quick``: the help of ``--quick``."""
-    p = OneLineParser(prog=prog, description=description)
-    d = config()
-    p.add_argument("--json", default=d.json, help="write the rows as a JSON list")
-    p.add_argument("--quick", action="store_true", help=quick)
-    p.add_argument("--steps", type=positive_int, default=d.steps, help="steps per row")
-    return config(**vars(p.parse_args(argv)))
-
-
-def run_bench(
-    main: Callable[[Any], Any], config: type, *, prog: str, doc: str, quick: str
-) -> NoReturn:
-    """Runs a benchmark's ``main`` on its flags (:func:`bench_args`) as a command
-    (:func:`run_cli`); ``doc``: its module docstring, whose first line describes it."""
-
-    def _run(argv: list[str]) -> int:
-        main(bench_args(argv, config, prog=prog, description=doc.splitlines()[0], quick=quick))
-        return 0
-
-    run_cli(_run, prog)

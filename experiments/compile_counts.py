@@ -4,13 +4,13 @@
     python -m hetjax.launch --processes 2 --devices-per-process 4 -- \\
         experiments.compile_counts                               # the same layout, 2 x 4
 
-Builds a :class:`hetjax.Executor` of the ``tiny`` preset (default layout: non-colocated
-vision ``dp=4`` | LLM ``dp=2,pp=2`` on islands 4 + 4, so with 2 x 4 devices the vision
-encoder is process 0's and the LLM process 1's), trains ``--steps`` FP32 steps and
-prints one line per process: ``compile-counts {json}`` with
+Builds the trainer (:func:`experiments.runner.trainer`) of the ``tiny`` preset (default
+layout: non-colocated vision ``dp=4`` | LLM ``dp=2,pp=2`` on islands 4 + 4, so with 2 x 4
+devices the vision encoder is process 0's and the LLM process 1's), trains ``--steps``
+FP32 steps and prints one line per process: ``compile-counts {json}`` with
 
 - ``compiles``: backend compiles (:class:`hetjax.inspect.CompileCounter`) from the start
-  of the executor's construction to the end of the last step: stage programs, the
+  of the trainer's construction (its executor's) to the end of the last step: stage programs, the
   optimizer-state initialisation, transfers and every small eager op;
 - ``stage_programs``: of those, the stage programs (``<module>_s<i>_<kind>`` and the
   optimizer-state initialisation), the programs of :class:`hetjax.runtime.StageProgram`;
@@ -57,34 +57,21 @@ def main(argv: list[str] | None = None) -> dict:
     devices = setup_devices(args.devices, multiprocess=info.is_multiprocess)
     import jax
 
-    import hetjax
+    from experiments import runner
     from hetjax.distributed import rendezvous
     from hetjax.inspect import CompileCounter
-    from models.config import get_preset
-    from models.data import DataConfig, SyntheticLlava
-    from models.mllm import MLLM
 
-    cfg = get_preset("tiny")
-    model = MLLM(cfg)
-    data = SyntheticLlava(DataConfig.for_model(cfg, seq_len=cfg.seq_len, seed=0))
-    params = model.init(jax.random.key(0))
     texts = dict(t.split(":", 1) for t in (args.layout or LAYOUTS))
-    layouts = {k: hetjax.Layout.parse(v) for k, v in texts.items()}
-    islands = None
-    if args.placement == "non-colocated":
-        islands = {k: l.num_devices for k, l in layouts.items()}
-    batches = [data.batch(i, args.global_batch) for i in range(args.steps)]
+    config = runner.bench_config(
+        steps=args.steps,
+        data={"global_batch": args.global_batch},
+        parallel={"microbatches": args.microbatches, **runner.layout_fields(texts, args.placement)},
+    )
+    params = runner.init_params(config)
     with CompileCounter() as counter:
-        ex = hetjax.Executor(
-            model.train_graph(layouts),
-            params,
-            devices=devices,
-            mode=args.placement,
-            islands=islands,
-            microbatches=args.microbatches,
-            optimizer=hetjax.OptimizerConfig(total_steps=args.steps),
-        )
-        losses = [float(ex.step(b)["loss"]) for b in batches]
+        tr = runner.trainer(config, devices=devices, params=params)
+        ex = tr.engine
+        losses = [float(ex.step(b)["loss"]) for b in runner.batches(tr, args.steps)]
         jax.block_until_ready(ex.state)
     result = {
         "process": jax.process_index(),

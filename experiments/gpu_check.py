@@ -134,29 +134,25 @@ def vit_model(sizes: Sizes) -> Any:
 # -- one stage's MFU ------------------------------------------------------------------------
 
 
-def build_executor(cfg: Any, devices: list, policy: str | None, observers: list) -> tuple:
-    """(model, graph, one-device executor) of ``cfg`` (bf16 compute), every module under
-    the activation policy ``policy`` (``TrainGraph.with_recompute``)."""
-    import jax
-    import jax.numpy as jnp
+def build_trainer(cfg: Any, devices: list, policy: str | None, observers: list, batch: int):
+    """The one-device trainer of ``cfg`` (bf16 compute, global batch ``batch``), every
+    module under the activation policy ``policy`` (``parallel.recompute``)."""
     import optax
 
-    import hetjax
-    from models.mllm import MLLM
+    from experiments import runner
 
-    model = MLLM(cfg, dtype=jnp.bfloat16)
-    graph = model.train_graph({m: hetjax.Layout() for m in model.module_names})
-    graph = graph.with_recompute({"*": policy})
-    ex = hetjax.Executor(
-        graph,
-        model.init(jax.random.key(0)),
-        devices=devices[:1],
-        mode="colocated",
-        microbatches=1,
-        optimizer=optax.sgd(1e-4),  # no moments: the memory goes to activations
-        observers=observers,
+    row = runner.bench_config(
+        model={"dtype": "bfloat16"},
+        data={"global_batch": batch},
+        parallel={"layouts": {"llm": "dp=1"}, "microbatches": 1, "recompute": {"*": policy}},
     )
-    return model, graph, ex
+    return runner.trainer(
+        row,
+        devices=devices[:1],
+        observers=observers,
+        preset=cfg,
+        optimizer=optax.sgd(1e-4),  # no moments: the memory goes to activations
+    )
 
 
 def stage_rows(cfg: Any, modules: tuple, batch_size: int, devices: list, policy: str | None, peak):
@@ -168,23 +164,23 @@ def stage_rows(cfg: Any, modules: tuple, batch_size: int, devices: list, policy:
     from hetjax.inspect import CompileCounter, Recorder
     from hetjax.inspect.hlo import matmul_flops
     from hetjax.runtime import flops
-    from models.data import DataConfig, SyntheticLlava
 
     rec = Recorder()
-    model, graph, ex = build_executor(cfg, devices, policy, [rec])
-    data = SyntheticLlava(DataConfig.for_model(cfg, seq_len=cfg.seq_len, seed=0))
-    batch = data.batch(0, batch_size)
+    tr = build_trainer(cfg, devices, policy, [rec], batch_size)
+    ex, graph, data = tr.engine, tr.graph, tr.data
+    batch = data.batch(0)
     t0 = time.perf_counter()
     jax.block_until_ready(ex.step(batch))
     compile_s = time.perf_counter() - t0
     rec.pause()
+    next_batch = data.batch(1)
     with CompileCounter() as compiles:
-        jax.block_until_ready(ex.step(data.batch(1, batch_size)))
+        jax.block_until_ready(ex.step(next_batch))
     for s in range(2):  # the second profiled step is the one reported
-        batch = data.batch(2 + s, batch_size)
+        batch = data.batch(2 + s)
         # Wait for the update too, so the next step's programs start on an idle device.
         jax.block_until_ready((ex.step(batch, profile=True), ex.state))
-    forward = model.config.forward_flops(batch_size, cfg.seq_len, int(batch["loss_mask"].sum()))
+    forward = cfg.forward_flops(batch_size, cfg.seq_len, int(batch["loss_mask"].sum()))
     model_flops = flops.model_flops(graph, forward)
     rows = {}
     for module in modules:
@@ -258,30 +254,20 @@ def reduce_scatter_section(cfg: Any, devices: list) -> dict:
     ``cfg`` (float32; None: the ``tiny`` preset)."""
     import jax
 
-    import hetjax
+    from experiments import runner
     from hetjax.inspect import Recorder, collectives, varied_axes
-    from models.data import DataConfig, SyntheticLlava
-    from models.mllm import MLLM
 
     if len(devices) < 4:
         return {"needs_devices": 4, "visible": len(devices), "checked": False}
-    if cfg is None:
-        from models.config import get_preset
-
-        cfg = get_preset("tiny")
-    model = MLLM(cfg)
-    layouts = {"vision": hetjax.Layout.parse("dp=4"), "llm": hetjax.Layout.parse("dp=2,tp=2")}
-    rec = Recorder()
-    ex = hetjax.Executor(
-        model.train_graph(layouts),
-        model.init(jax.random.key(0)),
-        devices=devices[:4],
-        microbatches=1,
-        options=hetjax.ParallelOptions(zero1=True, sequence_parallel=True),
-        observers=[rec],
+    layouts = {"vision": "dp=4", "llm": "dp=2,tp=2"}
+    row = runner.bench_config(
+        data={"global_batch": 4},
+        parallel={"layouts": layouts, "microbatches": 1, "zero1": True, "sequence_parallel": True},
     )
-    data = SyntheticLlava(DataConfig.for_model(cfg, seq_len=cfg.seq_len, seed=0))
-    jax.block_until_ready(ex.step(data.batch(0, 4)))
+    rec = Recorder()
+    tr = runner.trainer(row, devices=devices[:4], observers=[rec], preset=cfg)
+    ex = tr.engine
+    jax.block_until_ready(ex.step(tr.data.batch(0)))
     key = ("llm", 0)
     mesh = ex.programs[key].mesh
 

@@ -32,16 +32,17 @@ class LlavaTask:
 
     Args:
         config: the run's settings (``model``, ``data``, ``seed``, ``parallel``).
+        preset: the model instead of ``model.preset``'s (a benchmark's shrunk preset).
 
     Raises:
         ValueError: one line: an unknown preset, a tokenizer or record file that does not
             fit the model (the validation pass over every record file runs here).
     """
 
-    def __init__(self, config: TrainConfig):
+    def __init__(self, config: TrainConfig, *, preset: MLLMConfig | None = None):
         self.run_config = config
         m = config.model
-        preset = model_config(m)
+        preset = preset or model_config(m)
         fresh = not (m.init_from or "llm" in m.init)  # the LLM's vocabulary is ours to set
         if m.vocab_size is not None:
             preset = dataclasses.replace(
