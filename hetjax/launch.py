@@ -7,7 +7,10 @@ Starts N copies of ``python -m MODULE ARGS`` on this machine (``-- -m MODULE ARG
 their output line by line with a ``[p0] `` prefix. If a process fails, the others get
 ``--grace`` seconds to stop on their own (their watchdog names the failure), then are
 killed; the launcher prints one line naming the first process that failed and exits
-non-zero. It exits 0 only if every process did. Unlike ``torchrun`` it does not restart
+non-zero. It exits 0 only if every process did. On SIGTERM (a batch system preempting
+the job) it passes the signal on and gives the processes ``--preempt-grace`` seconds to
+save and exit (the trainer saves at its next step boundary): all exiting 0 is a
+preempted job that ended well (exit 0), else 143. Unlike ``torchrun`` it does not restart
 anything, and unlike ``mpirun`` it needs nothing installed: it is for one machine.
 
 Example (2 processes x 4 simulated CPU devices)::
@@ -103,6 +106,14 @@ def _parser() -> _Parser:
         default=10.0,
         metavar="S",
         help="seconds the others get to stop on their own after a failure (default 10)",
+    )
+    p.add_argument(
+        "--preempt-grace",
+        type=non_negative_float,
+        default=120.0,
+        metavar="S",
+        help="on SIGTERM: seconds the processes get to save and exit on their own (a "
+        "trainer saves at its next step boundary) before they are killed (default 120)",
     )
     p.add_argument("--gpu", action="store_true", help="give each process its own GPUs")
     return p
@@ -275,10 +286,20 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
             streams.append(_Prefixer(proc.stdout, sys.stdout, f"[p{i}] "))
             streams.append(_Prefixer(proc.stderr, sys.stderr, f"[p{i}] "))
         exits, timed_out = _wait(procs, args.grace, args.timeout)
-    except (KeyboardInterrupt, _Terminated) as e:
+    except _Terminated:
+        # Preemption (a batch system's SIGTERM): every process gets it and the trainer's
+        # own time to save at its next step boundary; a job whose processes all exit 0
+        # that way ended well.
+        _stop(procs, patience_s=args.preempt_grace)
+        if procs and all(p.returncode == 0 for p in procs):
+            print(f"{PROG}: preempted: every process saved and exited 0", file=sys.stderr)
+            return 0
+        print(f"{PROG}: interrupted; stopped all processes", file=sys.stderr)
+        return 143
+    except KeyboardInterrupt:
         _stop(procs, patience_s=_TERM_WAIT_S)
         print(f"{PROG}: interrupted; stopped all processes", file=sys.stderr)
-        return 130 if isinstance(e, KeyboardInterrupt) else 143
+        return 130
     finally:
         _stop(procs)
         for s in streams:

@@ -285,3 +285,24 @@ def test_mismatch_message_names_keys_and_processes():
         'config differs between processes: process 2 has layout=<missing> (process 0: "dp=2"), '
         "seed=1 (process 0: 0); launch every process with the same flags"
     )
+
+
+@pytest.mark.multiprocess
+def test_sigterm_gives_the_processes_time_to_save_and_exit_0():
+    """A preempted job: the launcher passes SIGTERM on and waits (longer than the 5 s an
+    interrupt gets) for processes that save before exiting 0; then it exits 0 too."""
+    launcher = job.start(
+        "hetjax.launch", "--processes", "2", "--devices-per-process", "1", "--",
+        "tests.distributed._sleeper", "--save-on-sigterm", "7", own_devices=True,
+    )  # fmt: skip
+    try:
+        assert launcher.stdout is not None
+        for _ in range(2):
+            launcher.stdout.readline()
+        launcher.terminate()
+        out, err = launcher.communicate(timeout=TIMEOUT_S)
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 0, err
+    assert out.count("saved after 7.0 s") == 2, out
+    assert err.splitlines()[-1] == "hetjax.launch: preempted: every process saved and exited 0"
