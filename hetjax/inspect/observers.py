@@ -30,7 +30,7 @@ class Recorder:
 
     Example:
         >>> rec = Recorder()  # doctest: +SKIP
-        >>> ex = hetjax.Executor(graph, params, devices=devices, observers=[rec])
+        >>> ex = hetjax.Executor(plan, params, devices=devices, observers=[rec])
         >>> ex.step(batch)
         >>> rec.pause()
         >>> rec.compiled[(("llm", 0), "bwd")].as_text()  # the HLO of its first call

@@ -16,7 +16,7 @@ use only the executor's public observer hooks, read by attribute (``stage``,
 
 Example:
     >>> timer, sampler = AsyncTimer(), LiveSampler()  # doctest: +SKIP
-    >>> ex = hetjax.Executor(graph, params, devices=devices, observers=[timer, sampler])
+    >>> ex = hetjax.Executor(plan, params, devices=devices, observers=[timer, sampler])
     >>> timer.start(stage_of, num_stages)
     >>> ex.step(batch)  # waited for in full
     >>> bubble = timer.bubble({k: p.devices for k, p in ex.programs.items()})

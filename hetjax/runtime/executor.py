@@ -31,12 +31,11 @@ import optax
 from hetjax import schedules as hs
 from hetjax.distributed.rendezvous import FirstCalls
 from hetjax.runtime.feed import Feed
-from hetjax.runtime.graph import TrainGraph
 from hetjax.runtime.inflight import InFlight
-from hetjax.runtime.lowering import Mode, Op, ScheduleOrder, StageKey
+from hetjax.runtime.lowering import Op, StageKey
 from hetjax.runtime.observers import Dispatch, Observers, Stash
 from hetjax.runtime.optim import OptimizerConfig
-from hetjax.runtime.plan import RunPlan, plan_run
+from hetjax.runtime.plan import RunPlan
 from hetjax.runtime.programs import ParallelOptions, StageProgram
 from hetjax.runtime.reduce import OnDevice, OnHosts, StepMetrics, finish_step
 from hetjax.runtime.sends import Sends
@@ -44,12 +43,12 @@ from hetjax.runtime.state import TrainState, full_params
 
 
 class Executor:
-    """Trains a :class:`TrainGraph` with per-module layouts on ``devices``.
+    """Trains a planned run (a :class:`~hetjax.runtime.graph.TrainGraph` with per-module
+    layouts, placed and scheduled) on ``devices``.
 
     Args:
-        plan: a :class:`RunPlan` from :func:`plan_run`, or a :class:`TrainGraph` (then
-            planned here from ``mode``, ``islands``, ``microbatches``, ``schedule`` and
-            ``offload_encoders``; see :func:`plan_run` for their meaning).
+        plan: the run's :class:`RunPlan` (:func:`plan_run`: mode, islands, microbatches,
+            schedule, encoder offload; checked there, before any parameter exists).
         params: initial parameters keyed by part name (all parts of all modules). With
             neither ``params`` nor ``state`` the executor has no state until one is
             restored into it (:func:`hetjax.checkpoint.restore`).
@@ -67,30 +66,20 @@ class Executor:
 
     def __init__(
         self,
-        plan: RunPlan | TrainGraph,
+        plan: RunPlan,
         params: Mapping[str, Any] | None = None,
         *,
         devices: Sequence[jax.Device],
-        mode: Mode = "colocated",
-        islands: Mapping[str, int] | None = None,
-        microbatches: int = 1,
-        schedule: ScheduleOrder = "1f1b",
         optimizer: OptimizerConfig | optax.GradientTransformation = OptimizerConfig(),
         mask_key: str = "loss_mask",
-        offload_encoders: bool = False,
         options: ParallelOptions = ParallelOptions(),
         observers: Sequence[Any] = (),
         state: TrainState | None = None,
     ):
         if not isinstance(plan, RunPlan):
-            plan = plan_run(
-                plan,
-                num_devices=len(devices),
-                mode=mode,
-                islands=islands,
-                microbatches=microbatches,
-                schedule=schedule,
-                offload_encoders=offload_encoders,
+            raise TypeError(
+                f"Executor takes a RunPlan, not a {type(plan).__name__}: plan the graph first "
+                "with hetjax.plan_run(graph, num_devices=..., mode=..., microbatches=...)"
             )
         self.plan = plan
         self.graph, self.mode, self.microbatches = plan.graph, plan.mode, plan.microbatches

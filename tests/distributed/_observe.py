@@ -46,10 +46,9 @@ def main(argv: list[str] | None = None) -> None:
     layouts = {"vision": hetjax.Layout.parse("dp=4"), "llm": hetjax.Layout.parse("dp=2,pp=2")}
     calls = Calls()
     ex = hetjax.Executor(
-        model.train_graph(layouts),
+        hetjax.plan_run(model.train_graph(layouts), num_devices=len(devices), microbatches=2),
         model.init(jax.random.key(0)),
         devices=devices,
-        microbatches=2,
         observers=[calls],
     )
     metrics = ex.step(data.batch(0, 8))

@@ -60,15 +60,19 @@ def measure(name: str) -> tuple[dict, dict]:
     lay_l = Layout.parse(llm)
     lay_v = Layout.parse(vision) if vision else Layout(dp=lay_l.dp, tp=lay_l.tp, cp=lay_l.cp)
     rec = Recorder()
-    ex = hetjax.Executor(
+    plan = hetjax.plan_run(
         model.train_graph({"vision": lay_v, "llm": lay_l}).with_recompute({"*": "none"}),
-        model.init(jax.random.key(0)),
-        devices=jax.devices(),
+        num_devices=len(jax.devices()),
         mode=mode,
         islands={"vision": lay_v.num_devices, "llm": lay_l.num_devices}
         if mode == "non-colocated"
         else None,
         microbatches=M,
+    )
+    ex = hetjax.Executor(
+        plan,
+        model.init(jax.random.key(0)),
+        devices=jax.devices(),
         optimizer=hetjax.OptimizerConfig(total_steps=2),
         options=hetjax.ParallelOptions(zero1=zero1),
         observers=[rec],

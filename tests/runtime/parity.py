@@ -135,14 +135,18 @@ def check_matches_reference(case: Case, ref: Reference, observers: tuple = ()) -
         else None
     )
     graph = ref.model.train_graph(layouts, freeze=case.freeze).with_recompute(dict(case.recompute))
-    ex = hetjax.Executor(
+    plan = hetjax.plan_run(
         graph,
-        ref.params,
-        devices=jax.devices(),
+        num_devices=len(jax.devices()),
         mode=case.mode,
         islands=islands,
         microbatches=case.microbatches,
         schedule=case.schedule,
+    )
+    ex = hetjax.Executor(
+        plan,
+        ref.params,
+        devices=jax.devices(),
         optimizer=OPTIMIZER,
         options=hetjax.ParallelOptions(**{name: True for name in case.options}),
         observers=observers,

@@ -67,11 +67,13 @@ def tiny():
     return model, model.init(jax.random.key(0)), batches
 
 
-def executor(tiny, lays, **kw) -> hetjax.Executor:
+def executor(tiny, lays, *, observers=(), **plan) -> hetjax.Executor:
+    """The executor of ``lays``, planned with ``plan`` (:func:`hetjax.plan_run`'s options)."""
     model, params, _ = tiny
-    kw.setdefault("microbatches", MICROBATCHES)
+    plan.setdefault("microbatches", MICROBATCHES)
+    run = hetjax.plan_run(model.train_graph(lays), num_devices=len(jax.devices()), **plan)
     return hetjax.Executor(
-        model.train_graph(lays), params, devices=jax.devices(), optimizer=OPTIMIZER, **kw
+        run, params, devices=jax.devices(), optimizer=OPTIMIZER, observers=observers
     )
 
 
@@ -265,13 +267,11 @@ def test_three_phase_order_with_two_encoders():
     cfg = get_preset("tiny-av")
     model = MLLM(cfg)
     lays = layouts(vision="dp=4,tp=2", audio="dp=8", llm="dp=2,tp=2,pp=2")
+    plan = hetjax.plan_run(
+        model.train_graph(lays), num_devices=len(jax.devices()), mode="colocated", microbatches=4
+    )
     ex = hetjax.Executor(
-        model.train_graph(lays),
-        model.init(jax.random.key(0)),
-        devices=jax.devices(),
-        mode="colocated",
-        microbatches=4,
-        optimizer=OPTIMIZER,
+        plan, model.init(jax.random.key(0)), devices=jax.devices(), optimizer=OPTIMIZER
     )
     check_three_phase(ex)
 

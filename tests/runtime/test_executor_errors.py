@@ -54,9 +54,11 @@ def model():
     return m, m.init(jax.random.key(0))
 
 
-def make(model, lays, **kw):
+def make(model, lays, **plan):
+    """The executor of ``lays``, planned with ``plan`` (:func:`hetjax.plan_run`'s options)."""
     m, params = model
-    return hetjax.Executor(m.train_graph(lays), params, devices=jax.devices(), **kw)
+    run = hetjax.plan_run(m.train_graph(lays), num_devices=len(jax.devices()), **plan)
+    return hetjax.Executor(run, params, devices=jax.devices())
 
 
 # -- layouts and placement ------------------------------------------------------------

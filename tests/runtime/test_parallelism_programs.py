@@ -98,12 +98,13 @@ def make_executor(
 ):
     model, params, _ = tiny
     layouts = {"vision": Layout.parse(vision), "llm": Layout.parse(llm)}
+    plan = hetjax.plan_run(
+        model.train_graph(layouts), num_devices=len(jax.devices()), mode=mode, islands=islands
+    )
     return hetjax.Executor(
-        model.train_graph(layouts),
+        plan,
         params,
         devices=jax.devices(),
-        mode=mode,
-        islands=islands,
         optimizer=OPTIMIZER,
         options=hetjax.ParallelOptions(**{o: True for o in options}),
         observers=observers,

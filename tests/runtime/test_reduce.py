@@ -31,7 +31,7 @@ LAYOUTS = {"vision": Layout.parse("dp=4"), "llm": Layout.parse("dp=2,pp=2")}
 def executor() -> hetjax.Executor:
     model = MLLM(get_preset("tiny"))
     return hetjax.Executor(
-        model.train_graph(LAYOUTS),
+        hetjax.plan_run(model.train_graph(LAYOUTS), num_devices=4),
         model.init(jax.random.key(0)),
         devices=jax.devices()[:4],
         optimizer=optax.chain(hetjax.clip_by_global_norm(1e-3), optax.sgd(0.1)),
