@@ -183,7 +183,7 @@ def run(policy: str, placement: str, work: dict, layouts=None) -> dict:
     cfg = runner.variant(work["base"], parallel=parallel)
     tr = runner.trainer(cfg, devices=work["devices"], observers=[rec], params=work["params"])
     ex, batches = tr.engine, runner.batches(tr, cfg.steps)
-    times = runner.timed_steps(ex, batches, rec)  # rec: the second step's calls
+    _, times = runner.timed_steps(ex, batches, rec)  # rec: the second step's calls
     size = {key: prog.mesh.size for key, prog in ex.programs.items()}
     compiled = rec.per_step(lambda c: matmul_flops(c.as_text()), size)
 
@@ -218,7 +218,7 @@ def dispatch_row(devices: list, steps: int) -> dict:
     m = DISPATCH_MICROBATCHES
     row = be.Row(DISPATCH_LAYOUTS, "non-colocated", "1f1b", m)
     tr = be.build_trainer(row, work, devices, steps)
-    host, total = be.timed_steps(tr.engine, runner.batches(tr, steps))
+    host, total = runner.timed_steps(tr.engine, runner.batches(tr, steps))
     guard, syncs = tr.engine.inflight_guard, tr.engine.inflight_syncs / steps
     del tr
     fused = be.fused_step_time(work, m, devices, steps)

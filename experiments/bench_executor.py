@@ -263,21 +263,6 @@ def build_trainer(row: Row, work: Workload, devices: list, steps: int, observers
     return work.trainer(work.config(row.microbatches, steps, **fields), devices, observers)
 
 
-def timed_steps(trainer, batches: list[dict]) -> tuple[list[float], list[float]]:
-    """Per step after the first (which compiles): host time until ``step`` returns, and
-    wall time until its loss and parameters are ready."""
-    from hetjax.inspect import Timer
-
-    _wait(trainer.step(batches[0]), trainer)
-    host, total = Timer(), Timer()
-    for batch in batches[1:]:
-        with total:
-            with host:
-                metrics = trainer.step(batch)
-            _wait(metrics, trainer)
-    return host.samples, total.samples
-
-
 def run_row(row: Row, work: Workload, light: Workload, devices: list, counter, config) -> dict:
     """Builds the executor of ``row`` on ``work``, measures it, returns one JSON row;
     the dispatch overhead is measured on ``light`` (the same workload, or a nano one)."""
@@ -364,7 +349,7 @@ def run_row(row: Row, work: Workload, light: Workload, devices: list, counter, c
     del ex, tr, rec, timer, sampler
     gc.collect()
     light_tr = build_trainer(row, light, devices, DISPATCH_STEPS)
-    host, total = timed_steps(light_tr.engine, runner.batches(light_tr, DISPATCH_STEPS))
+    host, total = runner.timed_steps(light_tr.engine, runner.batches(light_tr, DISPATCH_STEPS))
     del light_tr
     gc.collect()
     fused = fused_step_time(light, m, devices, DISPATCH_STEPS)
@@ -383,7 +368,8 @@ def fused_step_time(work: Workload, m: int, devices: list, steps: int) -> float:
         from experiments import runner
 
         tr = work.trainer(work.config(m, steps, reference=True), devices)
-        work.fused[m] = statistics.median(timed_steps(tr.engine, runner.batches(tr, steps))[1])
+        times = runner.timed_steps(tr.engine, runner.batches(tr, steps))[1]
+        work.fused[m] = statistics.median(times)
         del tr
         gc.collect()
     return work.fused[m]

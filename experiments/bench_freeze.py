@@ -89,7 +89,7 @@ def run(row: Any, devices: list) -> dict:
     tr = runner.trainer(row, devices=devices, observers=[rec])
     ex, model, graph, seq_len = tr.engine, tr.model.mllm, tr.graph, tr.model.seq_len
     batches = runner.batches(tr, row.steps)
-    times = runner.timed_steps(ex, batches, rec)  # rec: the second step's calls
+    _, times = runner.timed_steps(ex, batches, rec)  # rec: the second step's calls
     size = {key: prog.mesh.size for key, prog in ex.programs.items()}
     compiled = rec.per_step(lambda c: matmul_flops(c.as_text()), size)
     supervised = int(batches[1]["loss_mask"].sum())

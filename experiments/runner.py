@@ -142,21 +142,31 @@ def batches(tr: Any, count: int) -> list[dict]:
     return [tr.data.batch(i) for i in range(count)]
 
 
-def timed_steps(ex: Any, batches: list, recorder: Any) -> list[float]:
-    """Steps ``ex`` through ``batches``: the first compiles; ``recorder`` (a
+def timed_steps(ex: Any, batches: list, recorder: Any = None) -> tuple[list[float], list[float]]:
+    """Steps ``ex`` (an executor or the reference trainer) through ``batches``; the first
+    compiles. Returns per later step the host time until ``step`` returns and the wall
+    time until its loss and parameters are ready. ``recorder`` (a
     :class:`hetjax.inspect.Recorder` observing ``ex``) counts exactly the second step's
-    calls. Returns the wall time of every step after the first, each waited for."""
+    calls."""
     import jax
 
-    jax.block_until_ready(ex.step(batches[0]))
-    recorder.calls.clear()
-    times = []
+    def wait(metrics: Any) -> None:
+        float(metrics["loss"])
+        jax.block_until_ready(ex.params)
+
+    wait(ex.step(batches[0]))
+    if recorder is not None:
+        recorder.calls.clear()
+    host, total = [], []
     for batch in batches[1:]:
         t0 = time.perf_counter()
-        jax.block_until_ready((ex.step(batch), ex.state))
-        times.append(time.perf_counter() - t0)
-        recorder.pause()
-    return times
+        metrics = ex.step(batch)
+        host.append(time.perf_counter() - t0)
+        wait(metrics)
+        total.append(time.perf_counter() - t0)
+        if recorder is not None:
+            recorder.pause()
+    return host, total
 
 
 def start(count: int, *, steps: int | None = None, cache: str | None = None) -> list:
