@@ -403,28 +403,37 @@ def activation_bound(rows: list[dict]) -> None:
         r["activation_bound"] = "PASS" if ok else "FAIL"
 
 
-def check(rows: list[dict]) -> list[str]:
-    """The issue's "done when" conditions; returns the violations."""
-    bad = []
-    for r in rows:
-        name = f"{r['placement']} {r['schedule']} M={r['microbatches']}"
-        if r["compiles_after_step5"] != r["compiles_after_step1"]:
-            bad.append(
-                f"{name}: compiles {r['compiles_after_step1']} after step 1, "
+def _name(r: dict) -> str:
+    return f"{r['placement']} {r['schedule']} M={r['microbatches']}"
+
+
+def goals() -> list:
+    """The issue's "done when" conditions, per row."""
+    from experiments.runner import Goal
+
+    return [
+        Goal(
+            lambda r: r["compiles_after_step5"] == r["compiles_after_step1"],
+            lambda r: (
+                f"{_name(r)}: compiles {r['compiles_after_step1']} after step 1, "
                 f"{r['compiles_after_step5']} after step 5"
-            )
-        dp = (r["dp_reductions_min"], r["dp_reductions_per_param_per_step"])
-        if dp != (1, 1):
-            bad.append(
-                f"{name}: DP reductions per parameter per step in [{dp[0]}, {dp[1]}], "
-                "want exactly 1"
-            )
-        if r["activation_bound"] == "FAIL":
-            bad.append(
-                f"{name}: 1F1B activation bytes {r['peak_activation_bytes_per_stage']} "
-                f"exceed (P - s) / M of GPipe's"
-            )
-    return bad
+            ),
+        ),
+        Goal(
+            lambda r: (r["dp_reductions_min"], r["dp_reductions_per_param_per_step"]) == (1, 1),
+            lambda r: (
+                f"{_name(r)}: DP reductions per parameter per step in "
+                f"[{r['dp_reductions_min']}, {r['dp_reductions_per_param_per_step']}], want exactly 1"
+            ),
+        ),
+        Goal(
+            lambda r: r["activation_bound"] != "FAIL",
+            lambda r: (
+                f"{_name(r)}: 1F1B activation bytes {r['peak_activation_bytes_per_stage']} "
+                "exceed (P - s) / M of GPipe's"
+            ),
+        ),
+    ]
 
 
 def _joined(key: str, fmt: str = "{:.2f}", scale: float = 1.0):
@@ -483,13 +492,14 @@ def main(config: BenchConfig) -> list[dict]:
     rows = runner.measured(
         make_rows(config.devices, config.quick),
         lambda row: run_row(row, work, light, devices, counter, config),
-        lambda row: f"{row.placement} {row.schedule} M={row.microbatches}",
+        lambda row: _name(dataclasses.asdict(row)),
     )
     activation_bound(rows)
     print_table(rows)
     print(f"{len(rows)} rows in {time.perf_counter() - t0:.0f} s")
     counter.stop()
-    runner.finish_rows(rows, config.json, check(rows), "done-when conditions violated")
+    missed = runner.missed(rows, goals())
+    runner.finish_rows(rows, config.json, missed, "done-when conditions violated")
     return rows
 
 
