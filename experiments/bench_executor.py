@@ -245,11 +245,11 @@ def make_workload(
     LLM layers, shortest valid sequence) on a fixed seed."""
     from experiments import runner
     from models.config import get_preset
-    from models.data import DataConfig
+    from models.data import SyntheticConfig
 
     preset = nano_preset(llm_depth) if name == "nano" else get_preset("tiny")
     if name == "nano":
-        shortest = DataConfig.for_model(preset, seq_len=1, seed=0).max_sample_tokens() - 1
+        shortest = SyntheticConfig.for_model(preset, seq_len=1, seed=0).max_sample_tokens() - 1
         seq_len = seq_len or shortest
     base = runner.bench_config(model={"preset": "tiny", "seq_len": seq_len})
     return Workload(base, preset, runner.init_params(base, preset), microbatch_size)
@@ -423,7 +423,8 @@ def goals() -> list:
             lambda r: (r["dp_reductions_min"], r["dp_reductions_per_param_per_step"]) == (1, 1),
             lambda r: (
                 f"{_name(r)}: DP reductions per parameter per step in "
-                f"[{r['dp_reductions_min']}, {r['dp_reductions_per_param_per_step']}], want exactly 1"
+                f"[{r['dp_reductions_min']}, {r['dp_reductions_per_param_per_step']}], "
+                "want exactly 1"
             ),
         ),
         Goal(

@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> dict:
             )
 
         model = MLLM(cfg, images_per_row=2)
-        opt = hetjax.OptimizerConfig(lr=3e-3, total_steps=args.steps, warmup_steps=10)
+        opt = hetjax.AdamWConfig(lr=3e-3, total_steps=args.steps, warmup_steps=10)
         trainer = hetjax.ReferenceTrainer(
             model.loss_sum,
             model.init(jax.random.key(0)),

@@ -13,7 +13,7 @@ own parallel layout and devices. The public API:
 - :class:`Trainer` (:mod:`hetjax.train`) - a config, a model and its data in; layouts
   checked once, the plan, the executor, checkpoints and resume, the step loop with hooks.
 - :class:`ReferenceTrainer` - single-mesh data-parallel training, the numerical reference.
-- :class:`OptimizerConfig` / :func:`make_optimizer` - AdamW + warm-up/cosine + clipping;
+- :class:`AdamWConfig` / :func:`make_optimizer` - AdamW + warm-up/cosine + clipping;
   the executor takes any optax transformation (:func:`clip_by_global_norm` clips by the
   norm over all pipeline stages).
 - :class:`TrainState`, :class:`StepMetrics`, :class:`Observer` - the state pytree, one
@@ -32,13 +32,13 @@ from hetjax.meshes import Layout as Layout
 from hetjax.meshes import LayoutError as LayoutError
 from hetjax.modules import Params as Params
 from hetjax.modules import StagedModule as StagedModule
+from hetjax.runtime import AdamWConfig as AdamWConfig
 from hetjax.runtime import Executor as Executor
 from hetjax.runtime import JsonlWriter as JsonlWriter
 from hetjax.runtime import Link as Link
 from hetjax.runtime import MetricsPlot as MetricsPlot
 from hetjax.runtime import ModuleSpec as ModuleSpec
 from hetjax.runtime import Observer as Observer
-from hetjax.runtime import OptimizerConfig as OptimizerConfig
 from hetjax.runtime import ParallelOptions as ParallelOptions
 from hetjax.runtime import ProgressBar as ProgressBar
 from hetjax.runtime import ReferenceTrainer as ReferenceTrainer
@@ -73,7 +73,7 @@ __all__ = [
     "Link",
     "MetricsPlot",
     "ModuleSpec",
-    "OptimizerConfig",
+    "AdamWConfig",
     "ParallelOptions",
     "Params",
     "ProgressBar",

@@ -43,7 +43,7 @@ AUDIO_TASKS = (
 
 
 @dataclasses.dataclass(frozen=True)
-class DataConfig:
+class SyntheticConfig:
     """What the synthetic data must look like to fit a model."""
 
     seq_len: int  # model input length L (the stored sequence has L + 1 tokens)
@@ -57,7 +57,7 @@ class DataConfig:
     image_token_id: int = tokenizer.IMAGE  # the model's image placeholder id
 
     @classmethod
-    def for_model(cls, cfg: MLLMConfig, *, seq_len: int, seed: int) -> DataConfig:
+    def for_model(cls, cfg: MLLMConfig, *, seq_len: int, seed: int) -> SyntheticConfig:
         if cfg.llm.vocab < TOKENIZER_VOCAB:
             raise ValueError(
                 f"the synthetic data's byte tokenizer needs a vocabulary of {TOKENIZER_VOCAB} "
@@ -124,7 +124,7 @@ class SyntheticLlava:
     ``images`` ``[B, H, W, C]`` and/or ``audio`` ``[B, T, F]`` (float32).
     """
 
-    def __init__(self, config: DataConfig):
+    def __init__(self, config: SyntheticConfig):
         config.validate()
         self.config = config
 

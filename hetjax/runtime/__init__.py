@@ -18,7 +18,7 @@ from .observers import Dispatch as Dispatch
 from .observers import Observer as Observer
 from .observers import Stash as Stash
 from .observers import Transfer as Transfer
-from .optim import OptimizerConfig as OptimizerConfig
+from .optim import AdamWConfig as AdamWConfig
 from .optim import clip_by_global_norm as clip_by_global_norm
 from .optim import decay_mask as decay_mask
 from .optim import learning_rate_schedule as learning_rate_schedule
@@ -50,7 +50,7 @@ __all__ = [
     "NonFiniteGuard",
     "Observer",
     "Op",
-    "OptimizerConfig",
+    "AdamWConfig",
     "ParallelOptions",
     "ProgressBar",
     "ReferenceTrainer",

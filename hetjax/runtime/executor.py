@@ -34,7 +34,7 @@ from hetjax.runtime.feed import Feed
 from hetjax.runtime.inflight import InFlight
 from hetjax.runtime.lowering import Op, StageKey
 from hetjax.runtime.observers import Dispatch, Observers, Stash
-from hetjax.runtime.optim import OptimizerConfig
+from hetjax.runtime.optim import AdamWConfig
 from hetjax.runtime.plan import RunPlan
 from hetjax.runtime.programs import ParallelOptions, StageProgram
 from hetjax.runtime.reduce import OnDevice, OnHosts, StepMetrics, finish_step
@@ -55,7 +55,7 @@ class Executor:
         devices: all devices of the run, in canonical order.
         optimizer: any optax transformation (every stage runs it on its own parameters;
             put :func:`hetjax.clip_by_global_norm` in it for clipping by the norm over
-            all stages), or :class:`OptimizerConfig` (AdamW, warm-up + cosine, clipping).
+            all stages), or :class:`AdamWConfig` (AdamW, warm-up + cosine, clipping).
         mask_key: batch key whose global sum normalises the loss.
         options: ZeRO-1 and sequence parallelism switches for every stage.
         observers: :class:`~hetjax.runtime.observers.Observer` s told of compiles,
@@ -70,7 +70,7 @@ class Executor:
         params: Mapping[str, Any] | None = None,
         *,
         devices: Sequence[jax.Device],
-        optimizer: OptimizerConfig | optax.GradientTransformation = OptimizerConfig(),
+        optimizer: AdamWConfig | optax.GradientTransformation = AdamWConfig(),
         mask_key: str = "loss_mask",
         options: ParallelOptions = ParallelOptions(),
         observers: Sequence[Any] = (),

@@ -1,6 +1,6 @@
 """Optimiser: AdamW with linear warm-up + cosine decay and global-norm clipping.
 
-:class:`OptimizerConfig` is the convenience that builds it; the executor and the
+:class:`AdamWConfig` is the convenience that builds it; the executor and the
 reference trainer take any optax transformation. The one cross-stage piece, global-norm
 clipping, is :func:`clip_by_global_norm`, fed the norm over all stages.
 
@@ -20,7 +20,7 @@ import optax
 
 
 @dataclasses.dataclass(frozen=True)
-class OptimizerConfig:
+class AdamWConfig:
     """AdamW hyper-parameters and the learning-rate schedule."""
 
     lr: float = 3e-3  # peak learning rate
@@ -43,7 +43,7 @@ class OptimizerConfig:
             raise ValueError(f"learning rate must be positive, got lr={self.lr}; use e.g. lr=0.003")
 
 
-def learning_rate_schedule(cfg: OptimizerConfig) -> optax.Schedule:
+def learning_rate_schedule(cfg: AdamWConfig) -> optax.Schedule:
     warmup = min(cfg.warmup_steps, cfg.total_steps - 1)
     return optax.warmup_cosine_decay_schedule(
         init_value=0.0,
@@ -100,7 +100,7 @@ def tree_norm(tree: Any) -> jax.Array:
 
 
 def make_optimizer(
-    cfg: OptimizerConfig, *, logical_axes: Any | None = None
+    cfg: AdamWConfig, *, logical_axes: Any | None = None
 ) -> optax.GradientTransformation:
     """AdamW (+ clipping); decays every leaf when ``logical_axes`` is not given."""
     parts = [clip_by_global_norm(cfg.clip_norm)] if cfg.clip_norm > 0 else []

@@ -32,7 +32,7 @@ from hetjax.meshes import param_shardings
 from hetjax.runtime.graph import ModuleSpec
 from hetjax.runtime.jitted import Program, program_name
 from hetjax.runtime.observers import Observers
-from hetjax.runtime.optim import OptimizerConfig
+from hetjax.runtime.optim import AdamWConfig
 from hetjax.runtime.placement import owns_any, put_global, stand_in
 from hetjax.runtime.replicas import ReplicaMap, cp_local
 from hetjax.runtime.stage_fn import StageFunction, split_parts
@@ -75,7 +75,7 @@ class StageProgram:
         mesh: Mesh,
         *,
         is_sink: bool,
-        optimizer: OptimizerConfig | optax.GradientTransformation,
+        optimizer: AdamWConfig | optax.GradientTransformation,
         options: ParallelOptions = ParallelOptions(),
         observers: Observers | None = None,
         backward: bool = True,

@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from hetjax.meshes import BATCH_AXES
-from hetjax.runtime.optim import OptimizerConfig, make_optimizer
+from hetjax.runtime.optim import AdamWConfig, make_optimizer
 from hetjax.runtime.placement import zero1_sharding
 from hetjax.runtime.stage_fn import split_parts
 
@@ -51,7 +51,7 @@ class StageUpdate:
 
     def __init__(
         self,
-        optimizer: OptimizerConfig | optax.GradientTransformation,
+        optimizer: AdamWConfig | optax.GradientTransformation,
         *,
         mesh: Mesh,
         trainable: tuple[str, ...],
@@ -65,7 +65,7 @@ class StageUpdate:
         self.mesh, self.trainable, self.acc_axes = mesh, trainable, acc_axes
         self.skip_nonfinite = skip_nonfinite
         self.abstract_trainable = split_parts(abstract, trainable)[0]
-        if isinstance(optimizer, OptimizerConfig):
+        if isinstance(optimizer, AdamWConfig):
             optimizer = make_optimizer(optimizer, logical_axes=split_parts(axes, trainable)[0])
         self.optimizer = optax.with_extra_args_support(optimizer)
         trained_shardings = split_parts(param_shardings, trainable)[0]

@@ -31,7 +31,7 @@ from hetjax.meshes import Layout
 from hetjax.runtime import loop as loop_lib
 from hetjax.runtime.executor import Executor
 from hetjax.runtime.graph import TrainGraph
-from hetjax.runtime.optim import OptimizerConfig, make_optimizer
+from hetjax.runtime.optim import AdamWConfig, make_optimizer
 from hetjax.runtime.plan import RunPlan, plan_run
 from hetjax.runtime.programs import ParallelOptions
 from hetjax.runtime.reference import ReferenceTrainer, check_batch_split
@@ -188,7 +188,7 @@ class Trainer:
             frozen = {part for m in self.graph.modules for part in m.frozen}
             axes = self.model.logical_axes(frozen)
             optimizer = self.optimizer
-            if isinstance(optimizer, OptimizerConfig):
+            if isinstance(optimizer, AdamWConfig):
                 optimizer = make_optimizer(optimizer, logical_axes=axes)
             return ReferenceTrainer(
                 self.model.loss_sum,
@@ -350,11 +350,11 @@ class _DueHook:
         self.hook.on_error(error)
 
 
-def _optimizer_config(config: TrainConfig) -> OptimizerConfig:
+def _optimizer_config(config: TrainConfig) -> AdamWConfig:
     """AdamW with warm-up and cosine decay from ``config.optimizer`` over ``steps``."""
     o = config.optimizer
     warmup = max(1, config.steps // 10) if o.warmup_steps is None else o.warmup_steps
-    return OptimizerConfig(
+    return AdamWConfig(
         lr=o.lr,
         total_steps=config.steps,
         warmup_steps=warmup,

@@ -23,7 +23,7 @@ from hetjax.meshes import Layout
 from hetjax.runtime import flops as flops_lib
 from hetjax.runtime.graph import TrainGraph
 from models.config import MLLMConfig, config_to_dict, get_preset
-from models.data import DataConfig, SyntheticLlava
+from models.data import SyntheticConfig, SyntheticLlava
 from models.mllm import MLLM
 
 
@@ -63,7 +63,7 @@ class LlavaTask:
             )
             images_per_row = self.dataset.config.images_per_row
         else:
-            data = DataConfig.for_model(preset, seq_len=self.seq_len, seed=config.seed)
+            data = SyntheticConfig.for_model(preset, seq_len=self.seq_len, seed=config.seed)
             self.dataset = SyntheticLlava(data)
         dtype = jnp.bfloat16 if config.model.dtype == "bfloat16" else jnp.float32
         # Packed rows (several samples each) attend within their samples only.

@@ -21,11 +21,11 @@ import hetjax
 from hetjax import Layout
 from hetjax.checkpoint import Checkpointer, CheckpointError, logical
 from models.config import get_preset
-from models.data import DataConfig, SyntheticLlava
+from models.data import SyntheticConfig, SyntheticLlava
 from models.mllm import MLLM
 
 STEPS, SAVED = 8, 4
-OPTIMIZER = hetjax.OptimizerConfig(total_steps=STEPS, warmup_steps=2)
+OPTIMIZER = hetjax.AdamWConfig(total_steps=STEPS, warmup_steps=2)
 SAVED_LAYOUT = {"vision": "dp=8", "llm": "dp=2,tp=2,pp=2"}
 
 
@@ -38,7 +38,7 @@ def plan(model, layouts, *, n=8, **kwargs):
 def setup(preset="tiny"):
     cfg = get_preset(preset)
     model = MLLM(cfg)
-    data = SyntheticLlava(DataConfig.for_model(cfg, seq_len=cfg.seq_len, seed=0))
+    data = SyntheticLlava(SyntheticConfig.for_model(cfg, seq_len=cfg.seq_len, seed=0))
     batches = [data.batch(s, 16) for s in range(STEPS)]
     return model, model.init(jax.random.key(0)), batches
 

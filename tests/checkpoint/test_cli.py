@@ -387,7 +387,7 @@ def _restore(directory: Path, step: int):
 
     model = MLLM(get_preset("tiny"))
     axes = {name: mod.logical_axes() for name, mod in model.modules.items()}
-    config = hetjax.OptimizerConfig(lr=1e3, clip_norm=0, total_steps=STEPS, warmup_steps=1)
+    config = hetjax.AdamWConfig(lr=1e3, clip_norm=0, total_steps=STEPS, warmup_steps=1)
     tx = hetjax.make_optimizer(config, logical_axes=axes)
     params = model.init(jax.random.key(0))
     ref = hetjax.ReferenceTrainer(model.loss_sum, params, tx, devices=jax.devices()[:1])

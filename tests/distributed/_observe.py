@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import hetjax
     from models.config import get_preset
-    from models.data import DataConfig, SyntheticLlava
+    from models.data import SyntheticConfig, SyntheticLlava
     from models.mllm import MLLM
 
     class Calls(hetjax.Observer):
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> None:
 
     cfg = get_preset("tiny")
     model = MLLM(cfg)
-    data = SyntheticLlava(DataConfig.for_model(cfg, seq_len=cfg.seq_len, seed=0))
+    data = SyntheticLlava(SyntheticConfig.for_model(cfg, seq_len=cfg.seq_len, seed=0))
     layouts = {"vision": hetjax.Layout.parse("dp=4"), "llm": hetjax.Layout.parse("dp=2,pp=2")}
     calls = Calls()
     ex = hetjax.Executor(

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from models.config import get_preset
-from models.data import DataConfig, SyntheticLlava
+from models.data import SyntheticConfig, SyntheticLlava
 from models.layers import apply_rope, attention
 from models.llm import LMHeadLoss
 from models.mllm import MLLM
@@ -124,7 +124,7 @@ def tiny():
     cfg = get_preset("tiny")
     model = MLLM(cfg)
     params = model.init(jax.random.key(1))
-    batch = SyntheticLlava(DataConfig.for_model(cfg, seq_len=cfg.seq_len, seed=3)).batch(0, 2)
+    batch = SyntheticLlava(SyntheticConfig.for_model(cfg, seq_len=cfg.seq_len, seed=3)).batch(0, 2)
     return cfg, model, params, {k: jnp.asarray(v) for k, v in batch.items()}
 
 

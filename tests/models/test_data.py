@@ -5,12 +5,12 @@ import pytest
 
 from models import tokenizer
 from models.config import get_preset
-from models.data import COLORS, PITCHES, POSITIONS, DataConfig, SyntheticLlava
+from models.data import COLORS, PITCHES, POSITIONS, SyntheticConfig, SyntheticLlava
 
 
 def _dataset(preset="tiny", seed=0, seq_len=None):
     cfg = get_preset(preset)
-    return SyntheticLlava(DataConfig.for_model(cfg, seq_len=seq_len or cfg.seq_len, seed=seed))
+    return SyntheticLlava(SyntheticConfig.for_model(cfg, seq_len=seq_len or cfg.seq_len, seed=seed))
 
 
 def _assert_batches_equal(a, b):
@@ -134,7 +134,7 @@ def test_answers_match_media_content(preset):
 @pytest.mark.parametrize("preset", ["tiny", "tiny-av"])
 def test_seq_len_too_short_names_the_needed_length(preset):
     cfg = get_preset(preset)
-    need = DataConfig.for_model(cfg, seq_len=cfg.seq_len, seed=0).max_sample_tokens()
+    need = SyntheticConfig.for_model(cfg, seq_len=cfg.seq_len, seed=0).max_sample_tokens()
     # The longest real sample (BOS ... EOS) fits exactly at seq_len = need - 1.
     ds = _dataset(preset, seq_len=need - 1)
     longest = max(int(np.flatnonzero(ds.sample(i)["loss_mask"])[-1]) + 2 for i in range(200))
@@ -142,7 +142,7 @@ def test_seq_len_too_short_names_the_needed_length(preset):
     with pytest.raises(ValueError, match=f"seq_len={need - 1} or more"):
         _dataset(preset, seq_len=need - 2)
     with pytest.raises(ValueError, match=f"seq_len=8 is too short: samples need up to {need}"):
-        DataConfig.for_model(cfg, seq_len=8, seed=0).validate()
+        SyntheticConfig.for_model(cfg, seq_len=8, seed=0).validate()
 
 
 @pytest.mark.parametrize(

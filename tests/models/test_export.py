@@ -21,7 +21,7 @@ def test_export_of_a_checkpoint_reloads_bit_exactly(tmp_path):
     trainer = hetjax.ReferenceTrainer(
         model.loss_sum,
         params,
-        hetjax.make_optimizer(hetjax.OptimizerConfig(total_steps=10)),
+        hetjax.make_optimizer(hetjax.AdamWConfig(total_steps=10)),
         devices=jax.devices()[:1],
     )
     meta = {"model": {"preset": config.name, "config": config_to_dict(config)}}

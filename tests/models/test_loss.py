@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from models.config import get_preset
-from models.data import DataConfig, SyntheticLlava
+from models.data import SyntheticConfig, SyntheticLlava
 from models.mllm import MLLM
 
 GLOBAL_BATCH = 8
@@ -23,7 +23,7 @@ def setup():
     cfg = get_preset("tiny")
     model = MLLM(cfg)
     params = model.init(jax.random.key(2))
-    data = SyntheticLlava(DataConfig.for_model(cfg, seq_len=cfg.seq_len, seed=5))
+    data = SyntheticLlava(SyntheticConfig.for_model(cfg, seq_len=cfg.seq_len, seed=5))
     batch = {k: jnp.asarray(v) for k, v in data.batch(0, GLOBAL_BATCH).items()}
     # value_and_grad of loss_sum / n: n=1 gives the plain sum; one compile per batch shape.
     grad_fn = jax.jit(jax.value_and_grad(lambda p, b, n: model.loss_sum(p, b) / n))

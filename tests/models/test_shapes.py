@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from models.config import get_preset
-from models.data import DataConfig, SyntheticLlava
+from models.data import SyntheticConfig, SyntheticLlava
 from models.encoders import FrameEmbed, PatchEmbed
 from models.llm import LMHeadLoss
 from models.mllm import MLLM
@@ -23,7 +23,7 @@ def _setup(preset):
     cfg = get_preset(preset)
     model = MLLM(cfg)
     params = model.init(jax.random.key(0))
-    data = SyntheticLlava(DataConfig.for_model(cfg, seq_len=cfg.seq_len, seed=0))
+    data = SyntheticLlava(SyntheticConfig.for_model(cfg, seq_len=cfg.seq_len, seed=0))
     return cfg, model, params, data.batch(0, B)
 
 

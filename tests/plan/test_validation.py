@@ -32,7 +32,7 @@ from hetjax.inspect import Recorder
 from hetjax.inspect.hlo import bytes_by_kind, collectives, matmul_flops
 from hetjax.plan import ModulePlan, Plan, Workload, estimate
 from models.config import get_preset
-from models.data import DataConfig, SyntheticLlava
+from models.data import SyntheticConfig, SyntheticLlava
 from models.mllm import MLLM
 
 BATCH, M = 16, 2
@@ -56,7 +56,9 @@ def measure(name: str) -> tuple[dict, dict]:
     preset, mode, vision, llm, zero1 = CASES[name]
     cfg = get_preset(preset)
     model = MLLM(cfg)
-    batch = SyntheticLlava(DataConfig.for_model(cfg, seq_len=cfg.seq_len, seed=0)).batch(0, BATCH)
+    batch = SyntheticLlava(SyntheticConfig.for_model(cfg, seq_len=cfg.seq_len, seed=0)).batch(
+        0, BATCH
+    )
     lay_l = Layout.parse(llm)
     lay_v = Layout.parse(vision) if vision else Layout(dp=lay_l.dp, tp=lay_l.tp, cp=lay_l.cp)
     rec = Recorder()
@@ -73,7 +75,7 @@ def measure(name: str) -> tuple[dict, dict]:
         plan,
         model.init(jax.random.key(0)),
         devices=jax.devices(),
-        optimizer=hetjax.OptimizerConfig(total_steps=2),
+        optimizer=hetjax.AdamWConfig(total_steps=2),
         options=hetjax.ParallelOptions(zero1=zero1),
         observers=[rec],
     )

@@ -28,11 +28,11 @@ import hetjax
 from hetjax import Layout
 from hetjax.inspect import Recorder, expect_compiles
 from models.config import get_preset
-from models.data import DataConfig, SyntheticLlava
+from models.data import SyntheticConfig, SyntheticLlava
 from models.mllm import MLLM
 
 STEPS = 10
-OPTIMIZER = hetjax.OptimizerConfig(total_steps=STEPS, warmup_steps=0, eps=1e-3)
+OPTIMIZER = hetjax.AdamWConfig(total_steps=STEPS, warmup_steps=0, eps=1e-3)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,7 +95,7 @@ def reference(preset: str, global_batch: int, frozen: frozenset[str] = frozenset
     """The single-device run of ``STEPS`` steps of ``preset`` with the parts ``frozen``
     (computed once per process)."""
     cfg = get_preset(preset)
-    data = SyntheticLlava(DataConfig.for_model(cfg, seq_len=cfg.seq_len, seed=0))
+    data = SyntheticLlava(SyntheticConfig.for_model(cfg, seq_len=cfg.seq_len, seed=0))
     batches = [data.batch(s, global_batch) for s in range(STEPS)]
     return reference_run(MLLM(cfg), batches, frozen)
 

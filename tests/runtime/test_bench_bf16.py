@@ -21,7 +21,7 @@ def test_moving_average_difference():
 
 
 def test_bad_flags_are_one_line_errors():
-    out = launch.run("experiments.bench_bf16", "--quick", "--steps", "2", timeout=120)
+    out = launch.run_main("experiments.bench_bf16", "--quick", "--steps", "2")
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert "moving-average window" in out.stderr
 

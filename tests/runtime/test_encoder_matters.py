@@ -16,9 +16,9 @@ import jax
 import numpy as np
 import pytest
 
-from hetjax.runtime import OptimizerConfig, ReferenceTrainer, make_optimizer
+from hetjax.runtime import AdamWConfig, ReferenceTrainer, make_optimizer
 from models.config import get_preset
-from models.data import DataConfig, SyntheticLlava
+from models.data import SyntheticConfig, SyntheticLlava
 from models.llava.evaluate import answer_accuracy
 from models.mllm import MLLM
 from tests._xla import OPTIMISED
@@ -34,12 +34,12 @@ def _train(blank_images: bool) -> tuple[np.ndarray, dict[str, float]]:
     """Training losses, and held-out accuracy with the real and with blanked images."""
     cfg = get_preset("tiny")
     model = MLLM(cfg)
-    data_cfg = DataConfig.for_model(cfg, seq_len=cfg.seq_len, seed=0)
-    data_cfg = DataConfig(**{**data_cfg.__dict__, "seq_len": data_cfg.max_sample_tokens() - 1})
+    data_cfg = SyntheticConfig.for_model(cfg, seq_len=cfg.seq_len, seed=0)
+    data_cfg = SyntheticConfig(**{**data_cfg.__dict__, "seq_len": data_cfg.max_sample_tokens() - 1})
     data = SyntheticLlava(data_cfg)
     axes = {name: m.logical_axes() for name, m in model.modules.items()}
     # Constant learning rate after warm-up: a decaying one stalls before grounding.
-    opt = OptimizerConfig(lr=3e-3, warmup_steps=20, total_steps=STEPS, end_lr_ratio=1.0)
+    opt = AdamWConfig(lr=3e-3, warmup_steps=20, total_steps=STEPS, end_lr_ratio=1.0)
     trainer = ReferenceTrainer(
         model.loss_sum,
         model.init(jax.random.key(0)),

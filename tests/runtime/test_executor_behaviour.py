@@ -39,7 +39,7 @@ from hetjax.inspect import (
     collectives,
 )
 from models.config import get_preset
-from models.data import DataConfig, SyntheticLlava
+from models.data import SyntheticConfig, SyntheticLlava
 from models.mllm import MLLM
 from tests import launch
 
@@ -47,7 +47,7 @@ GLOBAL_BATCH = 16
 MICROBATCHES = 2
 STEPS = 3
 PROGRAMS = ("fwd", "bwd", "update", "reduce", "zeros")
-OPTIMIZER = hetjax.OptimizerConfig(total_steps=10, warmup_steps=2)
+OPTIMIZER = hetjax.AdamWConfig(total_steps=10, warmup_steps=2)
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
@@ -62,7 +62,7 @@ SHARED_LAYOUTS = layouts(vision="dp=8", llm="dp=4,pp=2")
 def tiny():
     cfg = get_preset("tiny")
     model = MLLM(cfg)
-    data = SyntheticLlava(DataConfig.for_model(cfg, seq_len=cfg.seq_len, seed=0))
+    data = SyntheticLlava(SyntheticConfig.for_model(cfg, seq_len=cfg.seq_len, seed=0))
     batches = [data.batch(s, GLOBAL_BATCH) for s in range(STEPS)]
     return model, model.init(jax.random.key(0)), batches
 

@@ -201,10 +201,10 @@ def test_batch_must_divide_dp_times_microbatches(fan_out_executor, global_batch,
 
 
 def test_step_rejects_bad_batch_before_dispatching(fan_out_executor):
-    from models.data import DataConfig, SyntheticLlava
+    from models.data import SyntheticConfig, SyntheticLlava
 
     cfg = get_preset("tiny")
-    batch = SyntheticLlava(DataConfig.for_model(cfg, seq_len=cfg.seq_len, seed=0)).batch(0, 8)
+    batch = SyntheticLlava(SyntheticConfig.for_model(cfg, seq_len=cfg.seq_len, seed=0)).batch(0, 8)
     with CompileCounter() as compiles, pytest.raises(LayoutError) as excinfo:
         fan_out_executor.step(batch)
     check_one_line(excinfo, r"^llm: global batch 8")

@@ -6,7 +6,7 @@ import numpy as np
 import optax
 import pytest
 
-from hetjax.runtime import OptimizerConfig, decay_mask, learning_rate_schedule, make_optimizer
+from hetjax.runtime import AdamWConfig, decay_mask, learning_rate_schedule, make_optimizer
 from models.config import get_preset
 from models.mllm import MLLM
 
@@ -50,7 +50,7 @@ def test_weight_decay_applies_only_to_masked_leaves():
     """With zero gradients AdamW's step is exactly -lr * wd * param on decayed leaves."""
     axes = {"w": ("layers", "embed", "mlp"), "b": ("layers", "mlp"), "s": ("embed",)}
     params = {"w": jnp.ones((2, 3, 4)), "b": jnp.ones((2, 4)), "s": jnp.ones((3,))}
-    cfg = OptimizerConfig(lr=0.1, warmup_steps=0, total_steps=10, weight_decay=0.5)
+    cfg = AdamWConfig(lr=0.1, warmup_steps=0, total_steps=10, weight_decay=0.5)
     opt = make_optimizer(cfg, logical_axes=axes)
     zeros = jax.tree.map(jnp.zeros_like, params)
     updates, _ = opt.update(zeros, opt.init(params), params)
@@ -63,7 +63,7 @@ def test_weight_decay_applies_only_to_masked_leaves():
 
 
 def test_schedule_warms_up_then_decays():
-    cfg = OptimizerConfig(lr=1e-2, warmup_steps=10, total_steps=100, end_lr_ratio=0.1)
+    cfg = AdamWConfig(lr=1e-2, warmup_steps=10, total_steps=100, end_lr_ratio=0.1)
     sched = learning_rate_schedule(cfg)
     lrs = np.asarray([float(sched(s)) for s in range(101)])
     assert lrs[0] == 0.0
@@ -77,17 +77,17 @@ def test_schedule_warms_up_then_decays():
 
 def test_schedule_short_runs_still_train():
     """A one-step run must not have lr == 0 on its only step (warm-up is cut short)."""
-    sched = learning_rate_schedule(OptimizerConfig(lr=1e-2, warmup_steps=5, total_steps=1))
+    sched = learning_rate_schedule(AdamWConfig(lr=1e-2, warmup_steps=5, total_steps=1))
     assert float(sched(0)) == pytest.approx(1e-2)
 
 
 def test_config_rejects_bad_values():
     with pytest.raises(ValueError, match="lr=0.0"):
-        OptimizerConfig(lr=0.0)
+        AdamWConfig(lr=0.0)
     with pytest.raises(ValueError, match="warmup_steps >= 0"):
-        OptimizerConfig(warmup_steps=-1)
+        AdamWConfig(warmup_steps=-1)
     with pytest.raises(ValueError, match="total_steps >= 1"):
-        OptimizerConfig(total_steps=0)
+        AdamWConfig(total_steps=0)
 
 
 def _first_moment_norm(opt, grads, params):
@@ -101,11 +101,11 @@ def test_clipping_bounds_the_gradient(scale):
     rng = np.random.default_rng(0)
     grads = jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), jnp.float32), params)
     grads = jax.tree.map(lambda g: g * scale / optax.global_norm(grads), grads)  # norm = scale
-    cfg = OptimizerConfig(clip_norm=1.0, warmup_steps=0, b1=0.9)
+    cfg = AdamWConfig(clip_norm=1.0, warmup_steps=0, b1=0.9)
     clipped = _first_moment_norm(make_optimizer(cfg), grads, params)
     # Adam's first moment after one step is (1 - b1) * (clipped gradient).
     assert clipped == pytest.approx(0.1 * min(scale, 1.0), rel=1e-5)
     unclipped = _first_moment_norm(
-        make_optimizer(OptimizerConfig(clip_norm=0.0, warmup_steps=0)), grads, params
+        make_optimizer(AdamWConfig(clip_norm=0.0, warmup_steps=0)), grads, params
     )
     assert unclipped == pytest.approx(0.1 * scale, rel=1e-5)

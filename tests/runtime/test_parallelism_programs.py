@@ -51,11 +51,11 @@ from hetjax.ops.token_routing import Routed, owner_rank
 from hetjax.runtime.feed import Feed
 from models import tokenizer
 from models.config import get_preset
-from models.data import DataConfig, SyntheticLlava
+from models.data import SyntheticConfig, SyntheticLlava
 from models.mllm import MLLM
 
 GLOBAL_BATCH = 8  # one microbatch; per LLM replica b = 8 / dp = 4 samples
-OPTIMIZER = hetjax.OptimizerConfig(total_steps=10, warmup_steps=0)
+OPTIMIZER = hetjax.AdamWConfig(total_steps=10, warmup_steps=0)
 CFG = get_preset("tiny")
 L, D = CFG.seq_len, CFG.llm.width  # LLM sequence and width
 N = CFG.vision.num_tokens  # image tokens per sample
@@ -89,7 +89,7 @@ class Run:
 @pytest.fixture(scope="module")
 def tiny():
     model = MLLM(CFG)
-    data = SyntheticLlava(DataConfig.for_model(CFG, seq_len=CFG.seq_len, seed=0))
+    data = SyntheticLlava(SyntheticConfig.for_model(CFG, seq_len=CFG.seq_len, seed=0))
     return model, model.init(jax.random.key(0)), data.batch(0, GLOBAL_BATCH)
 
 

@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 
 from hetjax.runtime import (
-    OptimizerConfig,
+    AdamWConfig,
     ReferenceTrainer,
     check_batch_split,
     make_optimizer,
     split_microbatches,
 )
 from models.config import get_preset
-from models.data import DataConfig, SyntheticLlava
+from models.data import SyntheticConfig, SyntheticLlava
 from models.mllm import MLLM
 
 GLOBAL_BATCH = 8
@@ -29,7 +29,7 @@ LAYOUTS = [(1, 1), (1, 2), (1, 4), (8, 1)]  # (data-parallel devices, microbatch
 def setup():
     cfg = get_preset("tiny")
     model = MLLM(cfg)
-    data = SyntheticLlava(DataConfig.for_model(cfg, seq_len=cfg.seq_len, seed=0))
+    data = SyntheticLlava(SyntheticConfig.for_model(cfg, seq_len=cfg.seq_len, seed=0))
     batches = [data.batch(s, GLOBAL_BATCH) for s in range(STEPS)]
     axes = {name: m.logical_axes() for name, m in model.modules.items()}
     # No warm-up: the first step already moves the parameters. Adam's first update is
@@ -37,7 +37,7 @@ def setup():
     # gradient entry that is ~0 up to summation-order noise (1e-9) can move by up to lr.
     # eps=1e-4 keeps that amplification at lr / eps = 30, so the parameter comparison
     # checks the gradient reduction, not the conditioning of a near-zero division.
-    opt_cfg = OptimizerConfig(lr=3e-3, warmup_steps=0, total_steps=STEPS, eps=1e-4)
+    opt_cfg = AdamWConfig(lr=3e-3, warmup_steps=0, total_steps=STEPS, eps=1e-4)
 
     def run(dp: int, microbatches: int, seed: int = 0):
         params = model.init(jax.random.key(seed))

@@ -20,7 +20,7 @@ import pytest
 import hetjax
 from hetjax import Layout, LayoutError
 from models.config import get_preset
-from models.data import DataConfig, SyntheticLlava
+from models.data import SyntheticConfig, SyntheticLlava
 from models.mllm import MLLM
 
 GLOBAL_BATCH = 8
@@ -32,7 +32,7 @@ ISLANDS = {"vision": 4, "llm": 4}
 def setup():
     cfg = get_preset("tiny")
     model = MLLM(cfg)
-    data = SyntheticLlava(DataConfig.for_model(cfg, seq_len=cfg.seq_len, seed=0))
+    data = SyntheticLlava(SyntheticConfig.for_model(cfg, seq_len=cfg.seq_len, seed=0))
     batches = [data.batch(s, GLOBAL_BATCH) for s in range(3)]
     return model, model.init(jax.random.key(0)), batches
 
