@@ -8,10 +8,17 @@ from tests import launch
 TIMEOUT_S = 600
 
 
-def quick_rows(module: str, out_dir: Path) -> list[dict]:
+def quick_rows(module: str, out_dir: Path, *, own_process: bool = False) -> list[dict]:
     """``python -m experiments.<module> --quick --json``: the rows it writes. Fails with
-    the end of its output unless it exits 0 (its own conditions hold)."""
+    the end of its output unless it exits 0 (its own conditions hold).
+
+    Runs in the test process (:func:`tests.launch.run_main`), or, with ``own_process``,
+    in a subprocess (for a benchmark that is slower or flaky in the test process)."""
     out = out_dir / "rows.json"
-    proc = launch.run(f"experiments.{module}", "--quick", "--json", str(out), timeout=TIMEOUT_S)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    argv = ("--quick", "--json", str(out))
+    if own_process:
+        result = launch.run(f"experiments.{module}", *argv, timeout=TIMEOUT_S)
+    else:
+        result = launch.run_main(f"experiments.{module}", *argv)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return json.loads(out.read_text())

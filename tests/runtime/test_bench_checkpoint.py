@@ -20,7 +20,10 @@ TIMES = ("save_blocking_s", "step_time_s", "save_total_s", "restore_s")
 
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory):
-    return quick_rows("bench_checkpoint", tmp_path_factory.mktemp("bench_checkpoint"))
+    # Its own process: no faster in the test process (12.2 s against 12.1 s, medians).
+    return quick_rows(
+        "bench_checkpoint", tmp_path_factory.mktemp("bench_checkpoint"), own_process=True
+    )
 
 
 @pytest.mark.slow

@@ -1,5 +1,5 @@
-"""``python -m experiments.bench_comm --quick`` in a subprocess: the JSON rows (both
-modes, a dense and the MoE model) and the condition (the heterogeneous encoder moves
+"""``python -m experiments.bench_comm --quick``, run in the test process: the JSON rows
+(both modes, a dense and the MoE model) and the condition (the heterogeneous encoder moves
 fewer collective bytes than a homogeneous one that inherits tp > 1 or cp > 1)."""
 
 import pytest

@@ -1,6 +1,6 @@
-"""``python -m experiments.bench_freeze --quick`` in a subprocess: the JSON rows, their
-FLOP ratios within 5% of the 3x / 2x / 1x rule with recompute, and no optimizer state
-for frozen parts (the subprocess itself exits non-zero otherwise)."""
+"""``python -m experiments.bench_freeze --quick``, run in the test process: the JSON
+rows, their FLOP ratios within 5% of the 3x / 2x / 1x rule with recompute, and no
+optimizer state for frozen parts (the benchmark itself exits non-zero otherwise)."""
 
 import pytest
 
