@@ -362,46 +362,36 @@ def test_checkpoints_of_stages_held_by_one_process(tmp_path):
     assert sorted((str(p), p.stat().st_size) for p in damaged.rglob("*")) == before
 
 
-# Preemption: SIGTERM reaches every process of a job (as SLURM sends it to every task).
-PREEMPT_RUN = ["--steps", "10", "--global-batch", "16", "--microbatches", "2", *SPANNING]
+# Preemption: SIGTERM to the launcher (as a batch system sends it), passed on to every
+# process. The runs are the "colocated" 2 x 4 job of the `runs` fixture (cached programs),
+# whose uninterrupted losses the resumed job must give bit for bit.
 
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_sigterm_saves_on_every_process_at_one_step_and_the_resume_is_bit_exact(tmp_path):
-    """Both processes of a 2 x 4 job get SIGTERM after step 2 is logged: they agree on a
-    step through JAX's preemption sync point, save it, exit 0; the same command resumes
-    to the uninterrupted job's losses bit for bit."""
-    ckpt, cut, whole = tmp_path / "ckpt", tmp_path / "cut.jsonl", tmp_path / "whole.jsonl"
-
-    def job(*extra: str) -> list[subprocess.Popen]:
-        return launch.start_job(
-            2,
-            lambda i, coordinator: [
-                *("experiments.llava_train", "--devices", "4", *PREEMPT_RUN, *extra),
-                *("--coordinator", coordinator, "--num-processes", "2", "--process-id", str(i)),
-            ],
-        )
-
-    reference = job("--metrics", str(whole))
-    run = ("--checkpoint-dir", str(ckpt), "--metrics", str(cut))
-    procs = job(*run)
+def test_sigterm_saves_on_every_process_at_one_step_and_the_resume_is_bit_exact(runs, tmp_path):
+    """``hetjax.launch`` gets SIGTERM after step 2 is logged: both processes agree on a
+    step through JAX's preemption sync point, save it and exit 0, and so does the
+    launcher; the same command resumes to the uninterrupted job's losses bit for bit."""
+    ckpt, cut = tmp_path / "ckpt", tmp_path / "cut.jsonl"
+    args = [*TRAIN, *LAYOUTS["colocated"], "--checkpoint-dir", str(ckpt), "--metrics", str(cut)]
+    launcher = _launcher(2, 4, "experiments.llava_train", args)
     deadline = time.monotonic() + TIMEOUT_S
-    while len(_rows(cut)) < 2 and procs[0].poll() is None and time.monotonic() < deadline:
+    while len(_rows(cut)) < 2 and launcher.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
-    for p in procs:
-        p.send_signal(signal.SIGTERM)
-    done = launch.finish({f"p{i}": p for i, p in enumerate([*procs, *reference])}, TIMEOUT_S)
-    for name, result in done.items():
-        assert result.returncode == 0, (name, result.stderr[-3000:])
-    found = re.findall(r"preempted: saved the state after step (\d+)", done["p0"].stdout)
-    assert len(found) == 1, done["p0"].stdout[-3000:]
+    launcher.send_signal(signal.SIGTERM)
+    done = _finish(launcher, "the preempted job")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "hetjax.launch: preempted: every process saved and exited 0" in done.stderr
+    found = re.findall(
+        r"preempted: saved the state after step (\d+)", "\n".join(_lines(done.stdout, 0))
+    )
+    assert len(found) == 1, done.stdout[-3000:]
     saved = int(found[0])
     assert 2 <= saved < 10 and (ckpt / str(saved)).is_dir()
-    resumed = launch.finish({f"p{i}": p for i, p in enumerate(job(*run))}, TIMEOUT_S)
-    for name, result in resumed.items():
-        assert result.returncode == 0, (name, result.stderr[-3000:])
-    assert f"resumed from step {saved} " in resumed["p0"].stdout
-    losses = {r["step"]: r["loss"] for r in _rows(cut)}  # the resumed run's rows win
-    want = {r["step"]: r["loss"] for r in _rows(whole)}
-    assert sorted(losses) == list(range(10)) and losses == want, (losses, want)
+    resumed = _finish(_launcher(2, 4, "experiments.llava_train", args), "the resumed job")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from step {saved} " in resumed.stdout
+    losses = {r["step"]: r["loss"] for r in _rows(cut)}  # the resumed job's rows win
+    want = [r["loss"] for r in runs[(2, 4, "colocated")][1]]
+    assert [losses[step] for step in sorted(losses)] == want, (losses, want)
