@@ -14,7 +14,6 @@ status and the ``--json`` list).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import re
 import sys
 import tempfile
@@ -78,7 +77,9 @@ def init_params(config: Any, preset: Any = None) -> Any:
     ``model.preset``'s) from ``seed``: what rows that share them pass to :func:`trainer`."""
     import jax
 
-    return _task_class()(config, preset=preset, params=None).init(jax.random.key(config.seed))
+    from models.llava.task import LlavaTask
+
+    return LlavaTask(config, preset=preset).init(jax.random.key(config.seed))
 
 
 def trainer(
@@ -104,9 +105,9 @@ def trainer(
             initialisation; another initialisation seed than the data's).
     """
     from hetjax.train import Trainer
-    from models.llava.task import LlavaBatches
+    from models.llava.task import LlavaBatches, LlavaTask
 
-    task = _task_class()(config, preset=preset, params=params)
+    task = LlavaTask(config, preset=preset, params=params)
     return Trainer(
         config,
         task,
@@ -115,26 +116,6 @@ def trainer(
         observers=observers,
         optimizer=optimizer,
     )
-
-
-@functools.cache
-def _task_class() -> type:
-    """(Built on first use: importing the model must wait until the devices are set.)"""
-    from models.llava.task import LlavaTask
-
-    class Task(LlavaTask):
-        """:class:`models.llava.task.LlavaTask` with given initial parameters."""
-
-        def __init__(self, config: Any, *, preset: Any, params: Any):
-            super().__init__(config, preset=preset)
-            self.given = params
-
-        def initial_params(self, key: Any, *, lead: bool) -> Any:
-            if self.given is None:
-                return super().initial_params(key, lead=lead)
-            return self.given
-
-    return Task
 
 
 def batches(tr: Any, count: int) -> list[dict]:

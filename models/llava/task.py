@@ -33,14 +33,19 @@ class LlavaTask:
     Args:
         config: the run's settings (``model``, ``data``, ``seed``, ``parallel``).
         preset: the model instead of ``model.preset``'s (a benchmark's shrunk preset).
+        params: the initial parameters instead of fresh or Hugging Face ones (benchmark
+            rows that share one initialisation).
 
     Raises:
         ValueError: one line: an unknown preset, a tokenizer or record file that does not
             fit the model (the validation pass over every record file runs here).
     """
 
-    def __init__(self, config: TrainConfig, *, preset: MLLMConfig | None = None):
+    def __init__(
+        self, config: TrainConfig, *, preset: MLLMConfig | None = None, params: Any = None
+    ):
         self.run_config = config
+        self.given_params = params
         m = config.model
         preset = preset or model_config(m)
         fresh = not (m.init_from or "llm" in m.init)  # the LLM's vocabulary is ours to set
@@ -90,9 +95,11 @@ class LlavaTask:
         return self.mllm.init(key)
 
     def initial_params(self, key: jax.Array, *, lead: bool) -> Any:
-        """Fresh parameters, or lazily read Hugging Face weights (each process then reads
-        only what its devices hold when the trainer places them); process 0 (``lead``)
-        prints what was read."""
+        """The given parameters, fresh ones, or lazily read Hugging Face weights (each
+        process then reads only what its devices hold when the trainer places them);
+        process 0 (``lead``) prints what was read."""
+        if self.given_params is not None:
+            return self.given_params
         m = self.run_config.model
         if not (m.init_from or m.init):
             return self.mllm.init(key)
