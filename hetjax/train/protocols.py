@@ -39,6 +39,8 @@ class TrainableModel(Protocol):
         flop_metrics(trainer): ``(supervised tokens, step time) -> FLOP metrics`` for MFU.
         metadata(): what a checkpoint records about the model (JSON-able).
         summary(): lines of the end-of-run summary (``{name: value}``).
+        describe(): the summary's model line.
+        seq_len: tokens per sample, for tokens/s (without it tokens/s reads 0).
     """
 
     @property

@@ -21,7 +21,7 @@ flag names.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -278,11 +278,7 @@ class Trainer:
         """The trainer hooks this process runs (every process's, and process 0's own)."""
         return [h for h in self.hooks if isinstance(h, Hook) and (self.lead or not h.lead_only)]
 
-    def fit(
-        self,
-        *,
-        flop_metrics: Callable[[float, float], Mapping[str, float]] | None = None,
-    ) -> list[dict[str, float]]:
+    def fit(self) -> list[dict[str, float]]:
         """Trains from the resumed step to ``stop_after`` (or ``steps``); returns the
         per-step metrics (process 0's hooks saw them).
 
@@ -300,7 +296,7 @@ class Trainer:
         hooks = self._hooks()
         guard = loop_lib.NonFiniteGuard(self.config.skip_nonfinite_steps, note=self.kept_note)
         model_flops = getattr(self.model, "flop_metrics", None)
-        flops = flop_metrics or (model_flops(self) if model_flops else None)
+        flops = model_flops(self) if model_flops else None
         step_metrics = getattr(self.data, "step_metrics", None)
         self._next = self.start
         try:
