@@ -64,13 +64,14 @@ def run_training(
     history: list[dict[str, float]] = []
     pending: tuple[int, Mapping[str, Any]] | None = None
     finishes = _Finishes()
-    last_end = [time.perf_counter()]
+    last_end = time.perf_counter()
 
     def report(done: int, step_metrics: Mapping[str, Any]) -> None:
+        nonlocal last_end
         metrics = {k: float(v) for k, v in step_metrics.items()}  # waits for step `done`
         end = finishes.time(done)
-        elapsed = max(end - last_end[0], 1e-9)
-        last_end[0] = end
+        elapsed = max(end - last_end, 1e-9)
+        last_end = end
         metrics.update(
             step=done,
             tokens=tokens_per_step,
@@ -137,10 +138,11 @@ class _Finishes:
         self.queue.put((step, metrics))
 
     def time(self, step: int) -> float:
-        """When ``step`` (dispatched and watched) finished; waits for it."""
+        """When ``step`` (dispatched and watched) finished; waits for it. Each step is
+        asked once (its report), so its entry goes: a long run keeps none of them."""
         with self.ready:
             self.ready.wait_for(lambda: step in self.times)
-            return self.times[step]
+            return self.times.pop(step)
 
     def close(self) -> None:
         self.queue.put(None)
