@@ -127,3 +127,13 @@ def test_the_readme_shows_the_example_file():
     for line in block.splitlines():
         shown = line.split(" ...", 1)[0].strip()
         assert not shown or shown in source or shown + ":" in source, line
+
+
+def test_bad_trainer_inputs_are_one_line_errors(tmp_path):
+    with pytest.raises(ValueError, match=r"^every=0 must be a positive integer$"):
+        Every(JsonlWriter(str(tmp_path / "m.jsonl")), 0)
+    with pytest.raises(ValueError, match=r"^every=-2 must be a positive integer$"):
+        Hook(every=-2)
+    config = own_graph.config("colocated", str(tmp_path / "none"))
+    with pytest.raises(ValueError, match=r"none of the 0 candidate layouts runs"):
+        Trainer(config, own_graph.SensorLM(), own_graph.Batches(16), layouts=[])
