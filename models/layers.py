@@ -19,15 +19,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hetjax.ops import (
-    MoEFFN,
-    attach_aux_loss,
-    causal_attention,
-    load_balance_loss_per_sample,
-    ring_attention,
-)
+from hetjax.ops import MoEFFN, attach_aux_loss, load_balance_loss_per_sample
 from hetjax.ops import context as parallel
-from hetjax.ops.ring_kernels import fused_attention_applies
+from hetjax.ops.attention import attention as attention  # re-exported for the tests
+from hetjax.ops.attention import self_attention
 from models.config import MoEConfig
 
 Axes = tuple[str | None, ...]
@@ -124,36 +119,6 @@ def apply_rope(x_BxLxHxK: jax.Array, positions: jax.Array, theta: float) -> jax.
     return out.astype(x_BxLxHxK.dtype)
 
 
-def attention(
-    q_BxLxHxK: jax.Array,
-    k_BxSxGxK: jax.Array,
-    v_BxSxGxK: jax.Array,
-    *,
-    causal: bool,
-) -> jax.Array:
-    """Grouped-query scaled dot-product attention; ``H`` must be a multiple of ``G``.
-
-    With ``G == H`` this is plain multi-head attention. Causal attention on a GPU, where
-    cuDNN's fused kernel applies, runs through :func:`hetjax.ops.causal_attention`'s
-    fused path (see there: the scores are never materialised).
-    """
-    b, l, h, k = q_BxLxHxK.shape
-    if causal and fused_attention_applies(q_BxLxHxK, k_BxSxGxK):
-        s_pos = jnp.arange(k_BxSxGxK.shape[1])
-        return causal_attention(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, jnp.arange(l), s_pos, fused=True)
-    g = k_BxSxGxK.shape[2]
-    q_BxLxGxRxK = q_BxLxHxK.reshape(b, l, g, h // g, k)
-    scores = jnp.einsum("blgrk,bsgk->bgrls", q_BxLxGxRxK, k_BxSxGxK).astype(jnp.float32)
-    scores = scores / jnp.sqrt(jnp.float32(k))
-    if causal:
-        s = k_BxSxGxK.shape[1]
-        mask_LxS = jnp.arange(l)[:, None] >= jnp.arange(s)[None, :]
-        scores = jnp.where(mask_LxS, scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_BxSxGxK.dtype)
-    out = jnp.einsum("bgrls,bsgk->blgrk", probs, v_BxSxGxK)
-    return out.reshape(b, l, h, k)
-
-
 class MoEMLP(nnx.Module):
     """Mixture-of-experts MLP; experts split over the stage's ``ep`` ranks (all-to-all).
 
@@ -228,15 +193,7 @@ class EncoderBlock(nnx.Module):
         h = parallel.enter_tensor_parallel(self.norm1(x_BxLxD))
         qkv = self.qkv(h).reshape(b, l, self.heads, 3, d // self.heads)
         q, k, v = qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]
-        ctx = parallel.current()
-        if ctx is not None and ctx.cp > 1:
-            # An encoder with cp > 1 (e.g. one inheriting the LLM's layout) splits its
-            # tokens over cp; bidirectional attention then needs every K/V block: a ring.
-            a = ring_attention(
-                q, k, v, None, mesh=ctx.mesh, batch_axes=ctx.batch_axes, causal=False
-            )
-        else:
-            a = attention(q, k, v, causal=False)
+        a = self_attention(q, k, v, causal=False)
         a = a.reshape(b, l, d)
         x_BxLxD = x_BxLxD + parallel.exit_tensor_parallel(self.out(a))
         h = parallel.enter_tensor_parallel(self.norm2(x_BxLxD))
@@ -306,21 +263,7 @@ class DecoderBlock(nnx.Module):
         v = tp(self.v(h).reshape(b, l, self.kv_heads, kd), 2)
         q = apply_rope(q, positions, self.rope_theta)
         k = apply_rope(k, positions, self.rope_theta)
-        if ctx is not None and ctx.cp > 1:
-            a = ring_attention(
-                q,
-                k,
-                v,
-                positions,
-                mesh=ctx.mesh,
-                batch_axes=ctx.batch_axes,
-                zigzag=True,
-                segment_ids=segment_ids,
-            )
-        elif segment_ids is not None:
-            a = causal_attention(q, k, v, positions, segment_ids=segment_ids)
-        else:
-            a = attention(q, k, v, causal=True)
+        a = self_attention(q, k, v, causal=True, positions=positions, segment_ids=segment_ids)
         a = tp(a.reshape(b, l, self.heads * kd), 2)
         x_BxLxD = x_BxLxD + parallel.exit_tensor_parallel(self.o(a))
         h = parallel.enter_tensor_parallel(self.mlp_norm(x_BxLxD))
