@@ -8,7 +8,8 @@ kernels put the same name on their INPUT dim, so one name -> mesh-axis map shard
 Parameters are stored in float32; ``dtype`` is the compute dtype (float32 or bfloat16).
 Softmax, normalisation statistics and the loss are always computed in float32.
 
-Shape key: B batch, L sequence, D width, H heads, G kv heads, K head dim, F MLP width.
+Shape key: B batch, L sequence, D width, H heads, G kv heads, R query heads per kv head
+(H / G), K head dim, F MLP width.
 """
 
 from __future__ import annotations
@@ -34,24 +35,31 @@ def normal_param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: Axes) -> nnx.Para
 
 
 class Dense(nnx.Module):
-    """``y = x @ W (+ b)`` with named axes on ``W`` (and on ``b``, its output name)."""
+    """``y = x @ W (+ b)`` with named axes on ``W`` (and on ``b``, its output names).
+
+    ``d_out`` may be a shape: ``W`` is then ``[d_in, *d_out]`` and ``y`` ends in
+    ``d_out``, still ONE matmul. Fused projections use it so that a tensor-parallel split
+    of one named output dim keeps what belongs together on one rank (a kv group's q, k
+    and v; a column's gate and up), which a flat ``[d_in, n]`` kernel could not.
+    """
 
     def __init__(
         self,
         d_in: int,
-        d_out: int,
+        d_out: int | tuple[int, ...],
         *,
         axes: Axes,
         rngs: nnx.Rngs,
         use_bias: bool = False,
         dtype: Any = jnp.float32,
     ):
-        self.kernel = normal_param(rngs, (d_in, d_out), axes)
-        self.bias = nnx.Param(jnp.zeros((d_out,)), axes=(axes[1],)) if use_bias else None
+        out = (d_out,) if isinstance(d_out, int) else tuple(d_out)
+        self.kernel = normal_param(rngs, (d_in, *out), axes)
+        self.bias = nnx.Param(jnp.zeros(out), axes=tuple(axes[1:])) if use_bias else None
         self.dtype = dtype
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = jnp.dot(x.astype(self.dtype), self.kernel[...].astype(self.dtype))
+        y = jnp.tensordot(x.astype(self.dtype), self.kernel[...].astype(self.dtype), axes=1)
         return y if self.bias is None else y + self.bias[...].astype(self.dtype)
 
 
@@ -224,19 +232,34 @@ class DecoderBlock(nnx.Module):
         dtype: Any,
         moe: MoEConfig | None = None,
     ):
+        if heads % kv_heads:
+            raise ValueError(
+                f"DecoderBlock: heads={heads} is not a multiple of kv_heads={kv_heads}; "
+                "use kv_heads dividing heads"
+            )
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, width // heads
         self.rope_theta = rope_theta
-        kd = self.head_dim
+        kd, group = self.head_dim, heads // kv_heads
         self.attn_norm = RMSNorm(width, eps=eps, dtype=dtype)
-        self.q = Dense(width, heads * kd, axes=("embed", "heads"), rngs=rngs, dtype=dtype)
-        self.k = Dense(width, kv_heads * kd, axes=("embed", "kv_heads"), rngs=rngs, dtype=dtype)
-        self.v = Dense(width, kv_heads * kd, axes=("embed", "kv_heads"), rngs=rngs, dtype=dtype)
+        # One matmul for q, k and v, laid out per kv group [G, R + 2, K]: the group's R
+        # query heads, then its key and its value. A tp split of "kv_heads" (G) keeps
+        # whole groups, the query heads with the key/value they attend with.
+        self.qkv = Dense(
+            width,
+            (kv_heads, group + 2, kd),
+            axes=("embed", "kv_heads", None, None),
+            rngs=rngs,
+            dtype=dtype,
+        )
         self.o = Dense(heads * kd, width, axes=("heads", "embed"), rngs=rngs, dtype=dtype)
         self.mlp_norm = RMSNorm(width, eps=eps, dtype=dtype)
         self.moe = MoEMLP(width, mlp, moe, rngs=rngs, dtype=dtype) if moe else None
         if moe is None:
-            self.gate = Dense(width, mlp, axes=("embed", "mlp"), rngs=rngs, dtype=dtype)
-            self.up = Dense(width, mlp, axes=("embed", "mlp"), rngs=rngs, dtype=dtype)
+            # gate and up as one [D, 2, F] matmul, F split over tp: each rank keeps the
+            # gate and up columns its SwiGLU multiplies together.
+            self.gate_up = Dense(
+                width, (2, mlp), axes=("embed", None, "mlp"), rngs=rngs, dtype=dtype
+            )
             self.down = Dense(mlp, width, axes=("mlp", "embed"), rngs=rngs, dtype=dtype)
 
     def __call__(
@@ -258,9 +281,11 @@ class DecoderBlock(nnx.Module):
             positions = jnp.arange(l) if ctx is None else jnp.asarray(ctx.positions(l))
         h = parallel.enter_tensor_parallel(self.attn_norm(x_BxLxD))
         tp = parallel.tensor_parallel_activation  # heads (dim 2) stay split over tp
-        q = tp(self.q(h).reshape(b, l, self.heads, kd), 2)
-        k = tp(self.k(h).reshape(b, l, self.kv_heads, kd), 2)
-        v = tp(self.v(h).reshape(b, l, self.kv_heads, kd), 2)
+        group = self.heads // self.kv_heads
+        qkv_BxLxGxRxK = tp(self.qkv(h), 2)
+        q = tp(qkv_BxLxGxRxK[:, :, :, :group].reshape(b, l, self.heads, kd), 2)
+        k = tp(qkv_BxLxGxRxK[:, :, :, group], 2)
+        v = tp(qkv_BxLxGxRxK[:, :, :, group + 1], 2)
         q = apply_rope(q, positions, self.rope_theta)
         k = apply_rope(k, positions, self.rope_theta)
         a = self_attention(q, k, v, causal=True, positions=positions, segment_ids=segment_ids)
@@ -269,6 +294,7 @@ class DecoderBlock(nnx.Module):
         h = parallel.enter_tensor_parallel(self.mlp_norm(x_BxLxD))
         if self.moe is not None:
             return x_BxLxD + parallel.exit_tensor_parallel(self.moe(h))
-        hidden = jax.nn.silu(self.gate(h)) * self.up(h)
-        y = self.down(parallel.tensor_parallel_activation(hidden, 2))
+        gate_up_BxLx2xF = tp(self.gate_up(h), 3)
+        hidden = jax.nn.silu(gate_up_BxLx2xF[:, :, 0]) * gate_up_BxLx2xF[:, :, 1]
+        y = self.down(tp(hidden, 2))
         return x_BxLxD + parallel.exit_tensor_parallel(y)

@@ -19,6 +19,7 @@ from safetensors.numpy import load_file, save_file
 
 from models import hf
 from models.config import get_preset
+from models.hf.files import Files
 from models.mllm import MLLM
 
 GOLDEN = pathlib.Path(__file__).parent / "golden"
@@ -115,18 +116,48 @@ def test_separate_vision_and_llm_checkpoints():
 
 def test_lazy_reads_only_the_slices_asked_for():
     model, params = hf.load(GOLDEN / "llava_clip", lazy=True)
-    q = params["llm"]["blocks"]["q"]["kernel"]
-    assert isinstance(q, hf.LazyTensor) and q.shape == (2, 32, 32)
-    full = np.asarray(q)
-    np.testing.assert_array_equal(q[1:2, 8:16, :4], full[1:2, 8:16, :4])
-    np.testing.assert_array_equal(q.rows(1, 2)[:, :, 4:8], full[1:2, :, 4:8])
+    o = params["llm"]["blocks"]["o"]["kernel"]
+    assert isinstance(o, hf.LazyTensor) and o.shape == (2, 32, 32)
+    full = np.asarray(o)
+    np.testing.assert_array_equal(o[1:2, 8:16, :4], full[1:2, 8:16, :4])
+    np.testing.assert_array_equal(o.rows(1, 2)[:, :, 4:8], full[1:2, :, 4:8])
     # the executor's placement reads through make_array_from_callback
     mesh = jax.make_mesh((2,), ("tp",), devices=jax.devices()[:2])
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, None, "tp"))
     from hetjax.runtime.programs import put_global
 
-    placed = put_global(q, sharding)
+    placed = put_global(o, sharding)
     np.testing.assert_array_equal(np.asarray(placed), full)
+
+
+def test_lazy_fused_leaves_read_only_a_tp_ranks_rows(monkeypatch):
+    """The LLM's fused q/k/v ``[layers, D, G, R + 2, K]`` and gate/up ``[layers, D, 2, F]``:
+    the slice a tp rank holds (its kv groups, its MLP columns) reads only the HF rows
+    that make it (q_proj rows of its groups' query heads, k/v rows of its kv heads)."""
+    asked = []
+    read = Files.read
+    monkeypatch.setattr(
+        Files,
+        "read",
+        lambda self, key, index=None: (
+            asked.append((key.rsplit(".", 2)[-2], index)) or read(self, key, index)
+        ),
+    )
+    _, params = hf.load(GOLDEN / "llava_clip", lazy=True)
+    qkv = params["llm"]["blocks"]["qkv"]["kernel"]
+    gate_up = params["llm"]["blocks"]["gate_up"]["kernel"]
+    assert (qkv.shape, gate_up.shape) == ((2, 32, 2, 4, 8), (2, 32, 2, 64))
+    full_qkv, full_gate_up = np.asarray(qkv), np.asarray(gate_up)
+    asked.clear()
+    np.testing.assert_array_equal(qkv[:, 4:8, 1:2], full_qkv[:, 4:8, 1:2])
+    assert asked[:3] == [  # layer 0 (4 heads of 8 dims, 2 kv heads: 2 query heads each)
+        ("q_proj", (slice(16, 32), slice(4, 8))),
+        ("k_proj", (slice(8, 16), slice(4, 8))),
+        ("v_proj", (slice(8, 16), slice(4, 8))),
+    ]
+    asked.clear()
+    np.testing.assert_array_equal(gate_up[:1, :, :, 32:], full_gate_up[:1, :, :, 32:])
+    assert asked == [(p, (slice(32, 64), slice(0, 32))) for p in ("gate_proj", "up_proj")]
 
 
 def _edit_config(tmp_path, edit, tower="clip"):

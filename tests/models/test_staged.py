@@ -96,7 +96,7 @@ def test_init_is_deterministic_and_layers_differ(tiny):
     again = llm.init(jax.random.fold_in(jax.random.key(0), 4))  # MLLM.init's key for "llm"
     for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(params["llm"]), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    q = np.asarray(params["llm"]["blocks"]["q"]["kernel"])
+    q = np.asarray(params["llm"]["blocks"]["qkv"]["kernel"])
     assert not np.array_equal(q[0], q[1])
 
 

@@ -40,7 +40,7 @@ def test_decay_mask_matrices_only(axes):
     assert mask["['llm']['blocks']['attn_norm']['scale']"] is False
     assert mask["['vision']['blocks']['up']['bias']"] is False
     assert mask["['audio']['blocks']['norm1']['bias']"] is False
-    assert mask["['llm']['blocks']['q']['kernel']"] is True
+    assert mask["['llm']['blocks']['qkv']['kernel']"] is True
     assert mask["['llm']['post']['head']['kernel']"] is True
     assert mask["['projector']['pre']['fc1']['bias']"] is False
     assert mask["['vision']['post']['scale']"] is False
