@@ -103,18 +103,20 @@ class EncoderConfig:
         extra = {"clip": 3 * d, "siglip": 0}.get(self.kind, 2 * d)  # cls + pre-LN / final LN
         return embed + self.depth * block + extra
 
-    def forward_flops_per_token(self) -> int:
-        """Forward FLOPs per encoder token: 2 x matmul weights (MoE: the ``top_k`` experts a
-        token visits, and the router) + bidirectional attention (QK^T and PV)."""
-        d, f = self.width, self.mlp
+    def forward_flops_per_sample(self) -> int:
+        """Forward FLOPs of one sample (an image, a clip) at its real token counts: the
+        blocks over :attr:`block_tokens` (CLIP's class token included), 2 x their matmul
+        weights (MoE: the ``top_k`` experts a token visits, and the router) plus
+        bidirectional attention over the whole ``block_tokens`` square (QK^T and PV); the
+        patch (frame) embedding over :attr:`num_tokens`."""
+        d, f, n = self.width, self.mlp, self.block_tokens
         mlp = self.moe.top_k * 3 * d * f + d * self.moe.num_experts if self.moe else 2 * d * f
-        matmul = self.depth * (4 * d * d + mlp) + self.token_in_dim * d
-        attention = self.depth * 2 * 2 * self.block_tokens * d  # CLIP: + class token
-        return 2 * matmul + attention
+        blocks = n * self.depth * (2 * (4 * d * d + mlp) + 2 * 2 * n * d)
+        return blocks + self.num_tokens * 2 * self.token_in_dim * d
 
-    def flops_per_token(self) -> int:
-        """Forward+backward FLOPs per encoder token (3 x the forward)."""
-        return 3 * self.forward_flops_per_token()
+    def attention_flops_per_sample(self) -> int:
+        """The part of :meth:`forward_flops_per_sample` in QK^T and PV (weightless)."""
+        return self.depth * 2 * 2 * self.block_tokens**2 * self.width
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,13 +146,26 @@ class LLMConfig:
         return 2 * self.vocab * d + self.depth * block + d
 
     def forward_flops(
-        self, tokens: int, seq_len: int, supervised: int, *, executed: bool = False
+        self,
+        tokens: int,
+        seq_len: int,
+        supervised: int,
+        *,
+        executed: bool = False,
+        head_tokens: int | None = None,
+        attention_square: float = 1.0,
     ) -> int:
-        """Forward FLOPs of ``tokens`` tokens in sequences of ``seq_len`` (causal attention
-        halves QK/PV; MoE counts the ``top_k`` experts a token visits, and the router), with
-        the output head and cross-entropy over the ``supervised`` tokens only.
-        ``executed``: what the kernels compute instead (the full ``seq_len x seq_len``
-        attention, the head over every token), for hardware FLOPs."""
+        """Forward FLOPs of ``tokens`` tokens in sequences of ``seq_len``: 2 x the blocks'
+        matmul weights per token (MoE: the ``top_k`` experts a token visits, and the
+        router), causal attention at half the ``seq_len`` square (QK^T and PV), the output
+        head over the ``supervised`` tokens (the anchors' convention, MaxText's and
+        PaLM's: the work the step needs).
+
+        ``executed``: what the kernels compute instead, for hardware FLOPs: attention over
+        ``attention_square`` of the square (1: the plain path and masked fused kernels;
+        0.5: a causal kernel that skips masked tiles), the head over ``head_tokens``
+        (None: every token; a loss head that gathers supervised positions up to a static
+        capacity: that capacity)."""
         d, k = self.width, self.head_dim
         mlp = 3 * d * self.mlp
         if self.moe:
@@ -158,7 +173,8 @@ class LLMConfig:
         body = self.depth * (d * self.heads * k * 2 + d * self.kv_heads * k * 2 + mlp)
         attention = self.depth * 2 * self.heads * k * seq_len  # causal: 2 matmuls / 2
         if executed:
-            attention, supervised = 2 * attention, tokens
+            attention = int(2 * attention * attention_square)
+            supervised = tokens if head_tokens is None else head_tokens
         return tokens * (2 * body + attention) + supervised * 2 * self.vocab * d
 
     def flops_per_token(self, seq_len: int) -> int:
@@ -209,31 +225,53 @@ class MLLMConfig:
         *,
         executed: bool = False,
         images_per_sample: int = 1,
+        head_tokens: int | None = None,
+        attention_square: float = 1.0,
     ) -> dict[str, int]:
         """Forward FLOPs per part (encoders, projectors, ``llm``) of a batch of ``batch``
         samples of ``seq_len`` tokens, ``supervised`` of them under the loss (the rule of
         :func:`hetjax.runtime.flops.model_flops` turns them into training FLOPs);
-        ``executed``: what the kernels compute (:meth:`LLMConfig.forward_flops`);
-        ``images_per_sample``: the image slots the vision encoder runs per sample."""
+        ``executed``, ``head_tokens``, ``attention_square``: what the LLM's kernels compute
+        (:meth:`LLMConfig.forward_flops`); ``images_per_sample``: the image slots the
+        vision encoder runs per sample. Encoders count per sample at their real token
+        counts (:meth:`EncoderConfig.forward_flops_per_sample`), executed or not."""
         out: dict[str, int] = {}
         d = self.llm.width
         for name, enc in self.encoders.items():
-            tokens = batch * enc.num_tokens * (images_per_sample if name == "vision" else 1)
-            out[name] = tokens * enc.forward_flops_per_token()
+            samples = batch * (images_per_sample if name == "vision" else 1)
+            out[name] = samples * enc.forward_flops_per_sample()
             proj = "projector" if name == "vision" else f"{name}_projector"
-            out[proj] = tokens * 2 * (enc.width * d + d * d)  # two matmuls
-        out["llm"] = self.llm.forward_flops(batch * seq_len, seq_len, supervised, executed=executed)
+            # two matmuls over the encoder's output tokens (CLIP's class token dropped)
+            out[proj] = samples * enc.num_tokens * 2 * (enc.width * d + d * d)
+        out["llm"] = self.llm.forward_flops(
+            batch * seq_len,
+            seq_len,
+            supervised,
+            executed=executed,
+            head_tokens=head_tokens,
+            attention_square=attention_square,
+        )
         return out
 
-    def attention_flops(self, batch: int, seq_len: int, *, executed: bool = False) -> dict:
+    def attention_flops(
+        self,
+        batch: int,
+        seq_len: int,
+        *,
+        executed: bool = False,
+        images_per_sample: int = 1,
+        attention_square: float = 1.0,
+    ) -> dict:
         """The parts' forward FLOPs in weightless matmuls (attention's QK^T and PV; included
-        in :meth:`forward_flops`): their backward always takes two activation gradients."""
+        in :meth:`forward_flops`): their backward always takes two activation gradients.
+        The LLM's causal square counts half, or ``attention_square`` of it ``executed``."""
         out = {}
         for name, enc in self.encoders.items():
-            out[name] = batch * enc.num_tokens * enc.depth * 2 * 2 * enc.num_tokens * enc.width
+            samples = batch * (images_per_sample if name == "vision" else 1)
+            out[name] = samples * enc.attention_flops_per_sample()
         c = self.llm
-        causal = 1 if executed else 0.5  # the kernels compute the full square
-        out["llm"] = int(batch * seq_len * c.depth * 4 * c.heads * c.head_dim * seq_len * causal)
+        share = attention_square if executed else 0.5
+        out["llm"] = int(batch * seq_len * c.depth * 4 * c.heads * c.head_dim * seq_len * share)
         return out
 
 

@@ -299,6 +299,32 @@ _GEMM = re.compile(
     r'[^"]*".*?"lhs_contracting_dimensions":\[([0-9",]*)\]'
 )
 
+# cuDNN's fused attention (``jax.nn.dot_product_attention(implementation="cudnn")``): its
+# backend config names the score matrix ``[B, N, T, S]`` and the mask it applies.
+_FMHA = re.compile(r'custom_call_target="__cudnn\$fmha(\w*)"')
+_FMHA_SCORES = re.compile(
+    r'"intermediate_tensor_shape":\s*\{[^{}]*?"dimensions":\s*\[([0-9",\s]*)\]'
+)
+_FMHA_MASK = re.compile(r'"mask_type":\s*"(\w+)"')
+
+
+def fused_attention_flops(line: str) -> float | None:
+    """Matmul FLOPs of one cuDNN fused-attention call (an HLO instruction line), or None
+    if it is not one: the forward computes ``Q K^T`` and ``P V`` (``2 x 2 B N T S H``),
+    the backward recomputes ``Q K^T`` and takes four gradients (``5 x 2 B N T S H``);
+    a causal mask type halves it (the kernel skips the masked tiles), any other mask (none,
+    padding, an additive bias) computes the whole square. ``H`` is the head dimension,
+    the last of the call's first result (the output, or ``dQ``)."""
+    kind, scores, out = _FMHA.search(line), _FMHA_SCORES.search(line), _DEF.match(line)
+    if not (kind and scores and out):
+        return None
+    b, n, t, s = _ints(scores.group(1).replace('"', "").replace(" ", ""))
+    head = _ints(out.group(2))[-1]
+    matmuls = 5 if "Backward" in kind.group(1) else 2
+    mask = _FMHA_MASK.search(line)
+    share = 0.5 if mask and "CAUSAL" in mask.group(1) else 1.0
+    return 2.0 * matmuls * b * n * t * s * head * share
+
 
 def matmul_flops(hlo_text: str) -> float:
     """FLOPs of every matmul of one run of a compiled program, per device: ``2 x output
@@ -307,7 +333,8 @@ def matmul_flops(hlo_text: str) -> float:
     would be undercounted by the layer count). Elementwise work is left out.
 
     Matmuls are ``dot`` instructions (XLA:CPU, and those inside XLA:GPU's Triton gemm
-    fusions) and XLA:GPU's cuBLAS / cuBLASLt gemm custom calls."""
+    fusions), XLA:GPU's cuBLAS / cuBLASLt gemm custom calls and cuDNN's fused attention
+    calls (:func:`fused_attention_flops`)."""
     comps, entry = _computations(hlo_text)
     runs = _executions(comps, entry)
     total = 0.0
@@ -316,6 +343,9 @@ def matmul_flops(hlo_text: str) -> float:
             continue
         shapes = {m.group(1): _ints(m.group(2)) for l in lines if (m := _DEF.match(l))}
         for line in lines:
+            if (fmha := fused_attention_flops(line)) is not None:
+                total += fmha * runs[name]
+                continue
             d = _DOT.search(line) or _GEMM.search(line)
             if d and (out := _DEF.match(line)):
                 lhs = shapes[d.group(1)]

@@ -1,28 +1,36 @@
-"""Model and hardware FLOPs of a training step, and MFU.
+"""Model and hardware FLOPs of a training step, MFU and HFU.
 
-Model FLOPs follow the usual MFU rule, per part, from the part's forward FLOPs ``F``
-(the model's own count, e.g. ``models.config.MLLMConfig.forward_flops``):
+Model FLOPs (MFU) follow the anchors' convention (MaxText's and PaLM's: 6 x parameters x
+tokens for the blocks, causal attention at half the square), per part, from the part's
+forward FLOPs ``F`` (the model's own count, e.g.
+``models.config.MLLMConfig.forward_flops``: the LM head over the supervised tokens, an
+encoder per sample at its real token count) and the part of ``F`` in attention's
+weightless matmuls ``A`` (QK^T, PV):
 
 - a trained part costs ``3 F`` (forward, activation gradient, weight gradient);
-- a frozen part that a gradient passes through (something upstream trains) ``2 F``: its
-  backward computes activation gradients only;
+- a frozen part that a gradient passes through (something upstream trains)
+  ``2 F + A``: its weight matmuls take an activation gradient only, its attention
+  matmuls two (both operands are activations);
 - a frozen part with nothing trainable upstream ``F``: it runs forward only.
 
-Hardware FLOPs add what the executor really recomputes, by the module's activation
-policy (``ModuleSpec.recompute``, see :mod:`hetjax.runtime.vjp`): ``none`` nothing;
-``selective`` the weightless matmuls of attention (QK^T, PV: ``attention``) of every
-stage with a backward (element-wise work is not counted); ``full`` every stage with a
-backward re-runs its forward inside it (``jax.vjp`` on the stashed input), except the
-sink's last stage, whose forward only ever runs
-inside its backward, and a frozen first part with nothing trainable upstream under a
+Hardware FLOPs (HFU) count what runs: the same rule over what the kernels compute
+(``forward_flops(..., executed=True)``: attention over the share of the square the kernel
+computes, the head over the positions it is computed at), plus what the executor
+recomputes, by the module's activation policy (``ModuleSpec.recompute``, see
+:mod:`hetjax.runtime.vjp`): ``none`` nothing; ``selective`` the weightless matmuls of
+attention (QK^T, PV: ``attention``) of every stage with a backward (element-wise work is
+not counted); ``full`` every stage with a backward re-runs its forward inside it
+(``jax.vjp`` on the stashed input), except the sink's last stage, whose forward only ever
+runs inside its backward, and a frozen first part with nothing trainable upstream under a
 trained one on the same stage (a frozen encoder under its trained projector): the
 forward keeps its output and the backward starts there
 (:meth:`~hetjax.runtime.graph.TrainGraph.stashes_frozen_output`). A module's block stack is
 split into ``pp`` equal stages, so each stage holds ``1 / pp`` of its first part's
-forward; further parts sit on the last stage.
+forward; further parts sit on the last stage. (``experiments.gpu_check`` counts HFU from
+the compiled programs instead: :func:`hetjax.inspect.hlo.matmul_flops`.)
 
-MFU is model FLOPs per second over the devices' peak: :data:`PEAK_TFLOPS` knows common
-accelerators' dense BF16 peaks (by ``device_kind``); elsewhere give one.
+MFU (HFU) is model (hardware) FLOPs per second over the devices' peak: :data:`PEAK_TFLOPS`
+knows common accelerators' dense BF16 peaks (by ``device_kind``); elsewhere give one.
 """
 
 from __future__ import annotations
@@ -66,11 +74,20 @@ def part_roles(graph: TrainGraph) -> dict[str, str]:
     return roles
 
 
-def model_flops(graph: TrainGraph, forward: Mapping[str, float]) -> dict[str, float]:
-    """Model FLOPs of one step per MODULE from each part's forward FLOPs (the rule above)."""
+def model_flops(
+    graph: TrainGraph, forward: Mapping[str, float], attention: Mapping[str, float] = {}
+) -> dict[str, float]:
+    """Model FLOPs of one step per MODULE from each part's forward FLOPs and the part of
+    them in attention's weightless matmuls (``attention``; missing: none), by the rule
+    above."""
     roles = part_roles(graph)
     return {
-        m.name: float(sum(FACTORS[roles[p]] * forward[p] for p in m.param_keys))
+        m.name: float(
+            sum(
+                FACTORS[roles[p]] * forward[p] + (roles[p] == THROUGH) * attention.get(p, 0.0)
+                for p in m.param_keys
+            )
+        )
         for m in graph.modules
     }
 
@@ -79,16 +96,10 @@ def hardware_flops(
     graph: TrainGraph, forward: Mapping[str, float], attention: Mapping[str, float] = {}
 ) -> dict[str, float]:
     """The rule plus the forwards the backward recomputes, per module. ``forward``: what
-    the kernels compute per part (e.g. ``forward_flops(..., executed=True)``: causal
-    attention in full, the LM head over every token); ``attention``: the part of it in
-    weightless matmuls (QK^T, PV), whose backward takes two activation gradients even in
-    a frozen part (the rule's 2x assumes weight matmuls: one activation gradient)."""
-    out = model_flops(graph, forward)
-    roles = part_roles(graph)
-    for spec in graph.modules:
-        for p in spec.param_keys:
-            if roles[p] == THROUGH:
-                out[spec.name] += attention.get(p, 0.0)
+    the kernels compute per part (e.g. ``forward_flops(..., executed=True)``);
+    ``attention``: the part of it in weightless matmuls (``attention_flops(...,
+    executed=True)``)."""
+    out = model_flops(graph, forward, attention)
     for spec in graph.modules:
         pp = spec.layout.pp
         replayed = forward if spec.recompute == "full" else {}
@@ -120,9 +131,9 @@ def throughput_metrics(
     """One step's FLOP metrics from per-module model and hardware FLOPs.
 
     ``model_tflops_per_step`` (and ``/<module>``), ``hardware_tflops_per_step``,
-    ``tflops_per_s`` (model FLOPs) and, with a ``peak`` (TFLOP/s per device), ``mfu`` over
-    the ``num_devices`` of the run and ``mfu/<module>`` over the devices each module runs
-    on (``module_devices``; colocated, all of them).
+    ``tflops_per_s`` (model FLOPs) and, with a ``peak`` (TFLOP/s per device), ``mfu`` and
+    ``hfu`` over the ``num_devices`` of the run and ``mfu/<module>`` over the devices each
+    module runs on (``module_devices``; colocated, all of them).
     """
     total = sum(model.values())
     out = {
@@ -133,6 +144,7 @@ def throughput_metrics(
     }
     if peak:
         out["mfu"] = out["tflops_per_s"] / (peak * num_devices)
+        out["hfu"] = out["hardware_tflops_per_step"] / step_time_s / (peak * num_devices)
         for m, v in model.items():
             out[f"mfu/{m}"] = v / 1e12 / step_time_s / (peak * module_devices[m])
     return out

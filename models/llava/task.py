@@ -142,8 +142,9 @@ class LlavaTask:
     def flop_metrics(self, trainer: Any):
         """``(supervised tokens, step time) -> FLOP metrics`` of the run
         (:func:`hetjax.runtime.flops.throughput_metrics`): model FLOPs from the model's
-        forward FLOPs per part by the 3x / 2x / 1x rule; hardware FLOPs count what the
-        kernels compute (full causal attention, the head over every token) and the
+        forward FLOPs per part by the rule there (3x trained, 2x + attention frozen with a
+        gradient through, 1x forward only); hardware FLOPs count what the kernels compute
+        (the whole causal square, the head over every position it runs at) and the
         executor's backward recompute (the reference trainer recomputes nothing); MFU
         with the peak of ``parallel.peak_tflops`` or the device table."""
         devices, plan, graph = trainer.devices, trainer.plan, trainer.graph
@@ -158,12 +159,13 @@ class LlavaTask:
         def metrics(supervised: float, step_time_s: float) -> dict[str, float]:
             sizes = (batch, self.seq_len, int(supervised))
             per = {"images_per_sample": self.mllm.images_per_row}  # image slots run
-            model = flops_lib.model_flops(graph, cfg.forward_flops(*sizes, **per))
+            attention = cfg.attention_flops(*sizes[:2], **per)
+            model = flops_lib.model_flops(graph, cfg.forward_flops(*sizes, **per), attention)
             executed = cfg.forward_flops(*sizes, executed=True, **per)
+            attention = cfg.attention_flops(*sizes[:2], executed=True, **per)
             if plan is None:  # the reference trainer recomputes nothing
-                hardware = flops_lib.model_flops(graph, executed)
+                hardware = flops_lib.model_flops(graph, executed, attention)
             else:
-                attention = cfg.attention_flops(*sizes[:2], executed=True)
                 hardware = flops_lib.hardware_flops(graph, executed, attention)
             return flops_lib.throughput_metrics(
                 model,

@@ -1,5 +1,7 @@
-"""The FLOP rule (3x trained, 2x frozen with a gradient through, 1x forward only), the
-backward's recompute on top of it, and MFU: counted from graphs, nothing compiles."""
+"""The FLOP rule (3x trained, 2x + attention frozen with a gradient through, 1x forward
+only), the backward's recompute on top of it, and MFU/HFU: counted from graphs; the
+models' forward FLOPs against hand formulas (MaxText's convention) and the compiled
+program's matmuls."""
 
 from __future__ import annotations
 
@@ -84,4 +86,129 @@ def test_forward_flops_count_supervised_tokens_for_the_head():
     a, b = cfg.forward_flops(8, 64, supervised=10), cfg.forward_flops(8, 64, supervised=20)
     assert a["vision"] == b["vision"] and a["projector"] == b["projector"]
     assert b["llm"] - a["llm"] == 10 * 2 * cfg.llm.vocab * cfg.llm.width
-    assert 3 * cfg.vision.forward_flops_per_token() == cfg.vision.flops_per_token()
+
+
+def test_frozen_with_a_gradient_through_adds_its_attention():
+    # A frozen part's weight matmuls take one activation gradient, its QK^T / PV two.
+    g = graph(("projector", "llm"))
+    attention = {"vision": 20.0, "projector": 0.0, "llm": 200.0}
+    assert flops.model_flops(g, FORWARD, attention) == {"vision": 320, "llm": 2000 + 200}
+    got = flops.hardware_flops(g.with_recompute({"*": "none"}), FORWARD, attention)
+    assert got == {"vision": 320, "llm": 2200}
+
+
+def test_llm_forward_flops_match_maxtexts_formula():
+    """MaxText's per-device training FLOPs for a dense decoder (``6 x (ffn + qkv +
+    projection) x layers + 6 x embedding`` and ``3 x causal attention``), here with the
+    head over the supervised tokens, against the tiny LLM's real parameters."""
+    from models.llm import make_llm
+
+    cfg = get_preset("tiny").llm
+    b, l, sup = 3, 64, 50
+    d, h, g, k, f, v = cfg.width, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.mlp, cfg.vocab
+    ffn, qkv, proj = 2 * b * l * f * d * 3, 2 * b * l * d * (h + 2 * g) * k, 2 * b * l * d * h * k
+    causal_attention = 4 * b * l * l * h * k / 2
+    layer = jax_free_blocks(make_llm(cfg, {"image": 1}))
+    assert layer == d * (h + 2 * g) * k + h * k * d + 3 * d * f  # the model's own weights
+    training = (ffn + qkv + proj) * cfg.depth * 3 + 3 * 2 * sup * d * v
+    training += 3 * causal_attention * cfg.depth
+    assert 3 * cfg.forward_flops(b * l, l, sup) == training
+    # Executed: the whole square (plain path), or half (a causal kernel); the head over a
+    # capacity of 20 positions per row.
+    whole = cfg.forward_flops(b * l, l, sup, executed=True, head_tokens=b * 20)
+    assert whole == training / 3 + causal_attention * cfg.depth + 2 * d * v * (b * 20 - sup)
+    half = cfg.forward_flops(b * l, l, sup, executed=True, attention_square=0.5)
+    assert half == training / 3 + 2 * d * v * (b * l - sup)
+    mllm = get_preset("tiny")
+    attention = mllm.attention_flops(b, l)["llm"]
+    assert attention == causal_attention * cfg.depth
+    assert mllm.attention_flops(b, l, executed=True)["llm"] == 2 * attention
+
+
+def jax_free_blocks(module) -> int:
+    """Matmul weights of one block of a staged module: its stacked kernels (rank >= 3:
+    layers x in x out; biases and norm scales are rank 2)."""
+    import jax
+
+    leaves = jax.tree.leaves(module.abstract_params()["blocks"])
+    return sum(x.size for x in leaves if len(x.shape) >= 3) // module.num_layers
+
+
+@pytest.mark.parametrize("preset", ["tiny", "llava-1.5-tiny"])
+def test_encoder_flops_count_each_patch_and_the_class_token(preset):
+    """Per sample: the blocks over every token they see (CLIP: the patches and its class
+    token), bidirectional attention over that whole square, the patch embedding over the
+    patches; the projector over the patches (the class token is dropped)."""
+    from models.encoders import make_encoder
+
+    cfg = get_preset(preset)
+    enc, d_llm = cfg.vision, cfg.llm.width
+    n, p = enc.block_tokens, enc.num_tokens
+    assert n == p + (enc.kind == "clip")
+    module = make_encoder("vision", enc)
+    embed = enc.token_in_dim * enc.width
+    attention = enc.depth * 4 * n * n * enc.width
+    per_sample = 2 * n * enc.depth * jax_free_blocks(module) + attention + 2 * p * embed
+    got = cfg.forward_flops(5, 64, 10, images_per_sample=2)
+    assert got["vision"] == 10 * per_sample
+    assert got["projector"] == 10 * p * 2 * (enc.width * d_llm + d_llm * d_llm)
+    assert cfg.attention_flops(5, 64, images_per_sample=2)["vision"] == 10 * attention
+    executed = cfg.forward_flops(5, 64, 10, images_per_sample=2, executed=True)
+    assert {k: executed[k] for k in ("vision", "projector")} == {
+        k: got[k] for k in ("vision", "projector")
+    }  # no masked or skipped work in an encoder
+
+
+def test_compiled_matmuls_are_the_executed_count():
+    """HFU's count from the compiled program (:func:`hetjax.inspect.hlo.matmul_flops`) is
+    the executed forward's 3x on the plain path (CPU, float32): every weight matmul three
+    times, the whole attention square's QK^T / PV three times (forward, two gradients)."""
+    import jax
+    import jax.numpy as jnp
+
+    from hetjax.inspect.hlo import matmul_flops
+    from models.llm import make_llm
+
+    cfg = get_preset("tiny").llm
+    llm = make_llm(cfg, {"image": 1})
+    blocks = llm.init(jax.random.key(0))["blocks"]
+    b, l = 2, 16
+    x = jax.random.normal(jax.random.key(1), (b, l, cfg.width))
+
+    def loss(blocks, x):
+        return jnp.sum(llm.apply_blocks(blocks, x) ** 2)
+
+    text = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(blocks, x).compile().as_text()
+    executed = cfg.forward_flops(b * l, l, 0, executed=True, head_tokens=0)
+    assert matmul_flops(text) == 3 * executed
+
+
+def fmha_line(target: str, out: str, scores: str, mask: str) -> str:
+    """An XLA:GPU HLO line of a cuDNN fused-attention call, as jax builds its config."""
+    config = (
+        '{"operation_queue_id":"0","cudnn_fmha_backend_config":{"algorithm":{"algo_id":"0",'
+        '"math_type":"TENSOR_OP_MATH","tuning_knobs":{"17":"1","24":"0"},"is_cudnn_frontend":'
+        'true,"workspace_size":"0"},"fmha_scale":0.125,"intermediate_tensor_shape":{'
+        f'"element_type":"BF16","dimensions":[{scores}],"tuple_shapes":[],"layout":{{'
+        '"minor_to_major":["3","2","1","0"]}},"is_flash_attention":true,'
+        f'"mask_type":"{mask}"}}}}'
+    )
+    return (
+        f"  %custom-call.7 = ({out}, f32[2,8,256]{{2,1,0}}, u8[0]{{0}}) custom-call("
+        f"bf16[2,256,8,64]{{3,2,1,0}} %q, bf16[2,256,8,64]{{3,2,1,0}} %k), "
+        f'custom_call_target="{target}", backend_config={config}'
+    )
+
+
+def test_fused_attention_calls_count_the_square_they_compute():
+    from hetjax.inspect.hlo import fused_attention_flops
+
+    out, scores = "bf16[2,256,8,64]{3,2,1,0}", '"2","8","256","256"'
+    square = 2 * 8 * 256 * 256 * 64
+    causal = fmha_line("__cudnn$fmhaSoftmax", out, scores, "CAUSAL")
+    assert fused_attention_flops(causal) == 2 * 2 * square / 2
+    biased = fmha_line("__cudnn$fmhaScaleBiasSoftmaxBackward", out, scores, "NO_MASK")
+    assert fused_attention_flops(biased) == 5 * 2 * square
+    padded = fmha_line("__cudnn$fmhaSoftmaxBackward", out, scores.replace(" ", ""), "PADDING")
+    assert fused_attention_flops(padded.replace('":', '": ')) == 5 * 2 * square
+    assert fused_attention_flops("  %d = f32[2,2]{1,0} dot(%a, %b)") is None
