@@ -82,6 +82,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--template", "data.template"),
     Flag("--image-aspect", "data.image_aspect"),
     Flag("--max-images-per-microbatch", "data.max_images_per_microbatch", positive_int),
+    Flag("--max-loss-tokens-per-microbatch", "data.max_loss_tokens_per_microbatch", positive_int),
     Flag("--pack", "data.pack"),
     Flag("--balance", "data.balance"),
     Flag("--skip-bad-samples", "data.skip_bad_samples"),

@@ -30,6 +30,13 @@ COLORS = {
 POSITIONS = ("top left", "top right", "bottom left", "bottom right")
 PITCHES = ("low", "mid", "high", "shrill")
 
+# The longest answer content of each kind (what bounds a sample's length).
+LONGEST = {
+    "color": max(COLORS, key=len),
+    "position": max(POSITIONS, key=len),
+    "pitch": max(PITCHES, key=len),
+}
+
 # (question, answer template); answers use {color}, {position}, {pitch}.
 IMAGE_TASKS = (
     ("What color?", "{color}"),
@@ -89,17 +96,17 @@ class SyntheticConfig:
 
     def max_sample_tokens(self) -> int:
         """Longest BOS + prompt + answer + EOS over all tasks and contents."""
-        longest = {
-            "color": max(COLORS, key=len),
-            "position": max(POSITIONS, key=len),
-            "pitch": max(PITCHES, key=len),
-        }
         return max(
             2
             + len(tokenizer.encode(self.prompt(q), tokens_per_tag=self._tokens_per_tag()))
-            + len(tokenizer.encode(a.format(**longest)))
+            + len(tokenizer.encode(a.format(**LONGEST)))
             for q, a in self.tasks
         )
+
+    def max_supervised_tokens(self) -> int:
+        """The most loss-mask positions a sample has: its longest answer and the EOS (an
+        exact bound: the loss head's default per-row budget on synthetic data)."""
+        return max(len(tokenizer.encode(a.format(**LONGEST))) for _, a in self.tasks) + 1
 
     def validate(self) -> None:
         if self.seed < 0:  # numpy.random.default_rng([seed, index]) rejects it mid-run

@@ -76,13 +76,27 @@ class TokenEmbed(nnx.Module):
 
 
 class LMHeadLoss(nnx.Module):
-    """Final norm + untied LM head + summed masked cross-entropy (float32)."""
+    """Final norm + untied LM head + summed masked cross-entropy (float32).
 
-    def __init__(self, cfg: LLMConfig, *, rngs: nnx.Rngs, dtype: Any):
+    Only supervised positions carry loss, so with a ``capacity`` (supervised tokens per
+    row, a static bound the data guarantees: ``MLLM(loss_tokens_per_row=...)``) the head
+    runs on those positions alone: each row's supervised positions are gathered, in
+    order, up to ``capacity`` (padded with unsupervised ones, whose weight is zero) and
+    the norm, the ``[C, V]`` logits and the float32 log-softmax are computed there, not
+    over the ``[L, V]`` row. The sum is the same sum of the same terms (a reordering of
+    float adds). A row is gathered per stored block: the whole row, or with context
+    parallelism each cp rank's block (zigzag order; the loss is order-free), so the
+    gather never crosses ranks; a block's capacity is ``min(capacity, its length)``.
+    ``capacity=None`` (or at least the block's length): every position, as before.
+    """
+
+    def __init__(self, cfg: LLMConfig, *, rngs: nnx.Rngs, dtype: Any, capacity: int | None = None):
         self.norm = RMSNorm(cfg.width, eps=cfg.norm_eps, dtype=dtype)
         self.head = Dense(cfg.width, cfg.vocab, axes=("embed", "vocab"), rngs=rngs, dtype=dtype)
+        self.capacity = capacity
 
     def logits(self, h_BxLxD: jax.Array) -> jax.Array:
+        """Float32 logits at every position (what inference and the HF export read)."""
         h_BxLxD = parallel.enter_tensor_parallel(self.norm(h_BxLxD))
         logits_BxLxV = self.head(h_BxLxD).astype(jnp.float32)
         return parallel.tensor_parallel_activation(logits_BxLxV, 2)  # vocab over tp
@@ -90,9 +104,51 @@ class LMHeadLoss(nnx.Module):
     def __call__(
         self, h_BxLxD: jax.Array, targets_BxL: jax.Array, mask_BxL: jax.Array
     ) -> jax.Array:
-        logp_BxLxV = jax.nn.log_softmax(self.logits(h_BxLxD), axis=-1)
-        nll_BxL = -jnp.take_along_axis(logp_BxLxV, targets_BxL[..., None], axis=-1)[..., 0]
-        return jnp.sum(nll_BxL * mask_BxL.astype(jnp.float32))
+        blocks = _stored_blocks()
+        block_len = h_BxLxD.shape[1] // blocks
+        if self.capacity is not None and self.capacity < block_len:
+            return self._gathered(h_BxLxD, targets_BxL, mask_BxL, blocks, self.capacity)
+        return _masked_nll(self.logits(h_BxLxD), targets_BxL, mask_BxL)
+
+    def _gathered(self, h_BxLxD, targets_BxL, mask_BxL, blocks: int, capacity: int):
+        """The loss over each block's first ``capacity`` supervised positions; NaN if a
+        block has more (never a silently smaller sum: the data pipeline bounds rows by
+        the capacity, so this only flags a batch that bypassed it)."""
+        b, length = mask_BxL.shape
+        # Sequence parallelism: the sequence gathered over tp here, as the dense path
+        # does before the head (the block's rows may lie on any tp rank).
+        h_BxLxD = parallel.enter_tensor_parallel(h_BxLxD)
+        h_BxKxTxD = h_BxLxD.reshape(b, blocks, length // blocks, h_BxLxD.shape[-1])
+        mask_BxKxT = mask_BxL.reshape(b, blocks, -1)
+        # Supervised positions first, in order (a stable sort of "unsupervised").
+        idx_BxKxC = jnp.argsort(mask_BxKxT == 0, axis=-1, stable=True)[..., :capacity]
+        h_BxCxD = jnp.take_along_axis(h_BxKxTxD, idx_BxKxC[..., None], axis=2)
+        h_BxCxD = h_BxCxD.reshape(b, blocks * capacity, -1)
+
+        def take(x_BxL):
+            x_BxKxC = jnp.take_along_axis(x_BxL.reshape(b, blocks, -1), idx_BxKxC, axis=2)
+            return x_BxKxC.reshape(b, blocks * capacity)
+
+        loss = _masked_nll(self.logits(h_BxCxD), take(targets_BxL), take(mask_BxL))
+        overflow = jnp.any(jnp.sum(mask_BxKxT != 0, axis=-1) > capacity)
+        return jnp.where(overflow, jnp.nan, loss)
+
+
+def _stored_blocks() -> int:
+    """Blocks a row is stored in where the head runs: the cp ranks' blocks under GSPMD
+    context parallelism (the sequence axis split over cp), else one (no cp, or code
+    traced per cp rank, which sees its own block only)."""
+    ctx = parallel.current()
+    if ctx is None or ctx.cp == 1 or parallel.cp_is_manual():
+        return 1
+    return ctx.cp
+
+
+def _masked_nll(logits_BxLxV: jax.Array, targets_BxL: jax.Array, mask_BxL: jax.Array):
+    """Summed ``mask``-weighted next-token cross-entropy (float32 log-softmax)."""
+    logp_BxLxV = jax.nn.log_softmax(logits_BxLxV, axis=-1)
+    nll_BxL = -jnp.take_along_axis(logp_BxLxV, targets_BxL[..., None], axis=-1)[..., 0]
+    return jnp.sum(nll_BxL * mask_BxL.astype(jnp.float32))
 
 
 def make_llm(
@@ -100,8 +156,11 @@ def make_llm(
     placeholders: Mapping[str, int],
     dtype: Any = jnp.float32,
     name: str = "llm",
+    *,
+    loss_capacity: int | None = None,
 ) -> StagedModule:
-    """The decoder; ``placeholders`` maps modality name (``"image"``) to its token id."""
+    """The decoder; ``placeholders`` maps modality name (``"image"``) to its token id;
+    ``loss_capacity``: supervised tokens per row the head computes (:class:`LMHeadLoss`)."""
     return StagedModule(
         name,
         pre=lambda rngs: TokenEmbed(cfg, placeholders, rngs=rngs, dtype=dtype),
@@ -116,6 +175,6 @@ def make_llm(
             dtype=dtype,
             moe=cfg.moe,
         ),
-        post=lambda rngs: LMHeadLoss(cfg, rngs=rngs, dtype=dtype),
+        post=lambda rngs: LMHeadLoss(cfg, rngs=rngs, dtype=dtype, capacity=loss_capacity),
         num_layers=cfg.depth,
     )

@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from hetjax import Layout, LayoutError, Link, ModuleSpec, Params, StagedModule, TrainGraph
 from hetjax.meshes import validate_divisible
@@ -47,6 +48,11 @@ class MLLM:
         packed: rows hold several samples: batches carry ``segment_ids`` and
             ``positions`` (:data:`PACKED_KEYS`), and the LLM attends within a sample only,
             with RoPE positions restarting per sample. Parameters do not depend on it.
+        loss_tokens_per_row: the most supervised tokens a row has (a bound the data
+            guarantees: :func:`models.llava.run.loss_budget`); the LM head then computes
+            logits at that many positions per row instead of all ``L``
+            (:class:`models.llm.LMHeadLoss`). ``None``: every position. Parameters do not
+            depend on it; :meth:`check_loss_budget` checks a batch against it.
     """
 
     def __init__(
@@ -56,12 +62,14 @@ class MLLM:
         images_per_row: int = 1,
         *,
         packed: bool = False,
+        loss_tokens_per_row: int | None = None,
     ):
         if config.shape_only:
             raise ValueError(f"preset {config.name!r} is shape-only (planning); not runnable")
         self.config = config
         self.images_per_row = images_per_row
         self.packed = packed
+        self.loss_tokens_per_row = loss_tokens_per_row
         self.modules: dict[str, StagedModule] = {}
         placeholders = {}
         for modality, (enc_name, proj_name, _) in MODALITIES.items():
@@ -79,7 +87,9 @@ class MLLM:
                 images_per_row=images_per_row if modality == "image" else 1,
             )
             placeholders[modality] = self.placeholder(modality)
-        self.modules["llm"] = make_llm(config.llm, placeholders, dtype)
+        self.modules["llm"] = make_llm(
+            config.llm, placeholders, dtype, loss_capacity=loss_tokens_per_row
+        )
 
     def placeholder(self, modality: str) -> int:
         """The token id that marks ``modality``'s positions in the sequence."""
@@ -117,6 +127,25 @@ class MLLM:
         h = llm.apply_pre(params["llm"]["pre"], batch["tokens"], **self.encode(params, batch))
         h = llm.apply_blocks(params["llm"]["blocks"], h, **self.block_inputs(batch))
         return llm.apply_post(params["llm"]["post"], h, batch["targets"], batch["loss_mask"])
+
+    def check_loss_budget(self, batch: Mapping[str, Any]) -> None:
+        """Host-side: no row of ``batch`` has more supervised tokens than the head computes
+        (``loss_tokens_per_row``), which the device could only flag with a NaN loss.
+
+        Raises:
+            ValueError: one line naming the row, its count and the budget that fits.
+        """
+        cap = self.loss_tokens_per_row
+        if cap is None:
+            return
+        counts = np.count_nonzero(np.asarray(batch["loss_mask"]), axis=1)
+        row = int(np.argmax(counts))
+        if counts[row] > cap:
+            raise ValueError(
+                f"row {row} of the batch has {counts[row]} supervised tokens but the LM head "
+                f"computes {cap} per row; raise data.max_loss_tokens_per_microbatch to at "
+                f"least {counts[row]} x the rows of a microbatch"
+            )
 
     def block_inputs(self, batch: Mapping[str, Any]) -> dict[str, Any]:
         """The batch keys every LLM block reads: :data:`PACKED_KEYS` when packed.

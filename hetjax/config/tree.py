@@ -84,6 +84,11 @@ class DataConfig:
         "image slots per microbatch, split evenly over its rows (None: the most per record; "
         "packed, derived from the data)",
     )
+    max_loss_tokens_per_microbatch: int | None = doc(
+        None,
+        "supervised tokens the LM head computes per microbatch, split evenly over its rows "
+        "(None: derived from the data)",
+    )
     pack: bool = doc(False, "pack several samples into each seq_len row")
     balance: bool = doc(False, "order each step's rows so dp ranks get even tokens and images")
     skip_bad_samples: bool = doc(False, "skip and count bad records instead of stopping")
@@ -232,6 +237,7 @@ _RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "data.global_batch": (lambda v: v >= 1, "a positive integer"),
     "data.sources": (lambda v: all(w > 0 for w in v.values()), "positive mixture weights"),
     "data.max_images_per_microbatch": (lambda v: v >= 1, "a positive integer"),
+    "data.max_loss_tokens_per_microbatch": (lambda v: v >= 1, "a positive integer"),
     "data.workers": (lambda v: v >= 1, "a positive integer"),
     "data.prefetch": (lambda v: v >= 1, "a positive integer"),
     "parallel.microbatches": (lambda v: v >= 1, "a positive integer"),

@@ -44,7 +44,7 @@ from models.llava.records import REASONS, BadSample, RecordFile
 from models.llava.text import HFTokenizer, Template, render
 
 # Reasons that are a consequence of the settings, not of a broken record: always skipped.
-SETTING_REASONS = ("image_truncated", "too_many_images")
+SETTING_REASONS = ("image_truncated", "too_many_images", "too_many_loss_tokens")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +56,7 @@ class LoaderConfig:
     image_tokens: int  # placeholder positions per image (the encoder's token count)
     placeholder: int  # the model's image placeholder id
     images_per_row: int  # static image slots per row; unused slots are zero images
+    loss_tokens_per_row: int | None = None  # the loss head's supervised targets per row
     template: Template = "vicuna_v1"
     pack: bool = False  # several samples per row
     balance: bool = False  # rows to microbatch x dp bins by load
@@ -109,6 +110,7 @@ class LlavaData:
     """
 
     image_budget = ""  # where config.images_per_row came from (models.llava.run.build)
+    loss_budget = ""  # where config.loss_tokens_per_row came from
 
     def __init__(
         self,
@@ -193,6 +195,13 @@ class LlavaData:
                     where,
                     f"longer than seq_len={c.seq_len} and the cut falls in an image's tokens",
                 )
+        budget = c.loss_tokens_per_row
+        if budget is not None and rows_lib.supervised_targets(sup) > budget:
+            raise BadSample(
+                "too_many_loss_tokens",
+                where,
+                f"{rows_lib.supervised_targets(sup)} supervised tokens, rows hold {budget}",
+            )
         images: list[np.ndarray | Pending] = []
         for p in paths:
             try:
@@ -309,7 +318,13 @@ class Loader:
 
     def _build(self, stream: _Lookahead, state: dict[str, Any]) -> Batch:
         c = self.data.config
-        packer = rows_lib.Packer(c.global_batch, c.seq_len + 1, c.images_per_row, pack=c.pack)
+        packer = rows_lib.Packer(
+            c.global_batch,
+            c.seq_len + 1,
+            c.images_per_row,
+            pack=c.pack,
+            loss_tokens=c.loss_tokens_per_row,
+        )
         while not packer.full:
             pos, sample = stream.peek()
             if isinstance(sample, BadSample):

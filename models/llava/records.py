@@ -35,6 +35,8 @@ REASONS = {
     "undecodable_image": "undecodable image",
     "too_many_images": "more images than data.max_images_per_microbatch allows per row",
     "image_truncated": "truncation would cut an image",
+    "too_many_loss_tokens": "more supervised tokens than data.max_loss_tokens_per_microbatch "
+    "allows per row",
 }
 
 

@@ -21,13 +21,32 @@ from collections.abc import Iterable
 import numpy as np
 
 
-class Packer:
-    """First-fit rows: ``add(sample)`` places it or returns ``False`` (it fits no row)."""
+def supervised_targets(supervised: np.ndarray) -> int:
+    """The loss-mask positions a sample of stored supervision ``supervised`` fills in any
+    row: its first token is never a target within the sample (a row's first is no
+    target; packed, it would be predicted from the previous sample)."""
+    return int(np.count_nonzero(supervised[1:]))
 
-    def __init__(self, num_rows: int, capacity: int, slots: int, *, pack: bool):
+
+class Packer:
+    """First-fit rows: ``add(sample)`` places it or returns ``False`` (it fits no row).
+
+    ``loss_tokens``: a row's most supervised targets (the loss head's per-row budget,
+    ``None``: unbounded); a packed row takes a sample only while they fit too."""
+
+    def __init__(
+        self,
+        num_rows: int,
+        capacity: int,
+        slots: int,
+        *,
+        pack: bool,
+        loss_tokens: int | None = None,
+    ):
         self.num_rows, self.capacity, self.slots, self.pack = num_rows, capacity, slots, pack
+        self.loss_tokens = capacity if loss_tokens is None else loss_tokens
         self.rows: list[list] = []
-        self.used: list[list[int]] = []  # [tokens, images] per row
+        self.used: list[list[int]] = []  # [tokens, images, supervised targets] per row
         self.pending: list[tuple[int, int, object]] = []  # set by arrays()
 
     @property
@@ -35,14 +54,15 @@ class Packer:
         return not self.pack and len(self.rows) == self.num_rows
 
     def add(self, sample) -> bool:
-        row = self.place(len(sample.ids), len(sample.images))
+        row = self.place(len(sample.ids), len(sample.images), supervised_targets(sample.supervised))
         if row is None:
             return False
         self.rows[row].append(sample)
         return True
 
-    def place(self, tokens: int, images: int) -> int | None:
-        """The row a sample of ``tokens`` and ``images`` goes to, its load counted there
+    def place(self, tokens: int, images: int, supervised: int = 0) -> int | None:
+        """The row a sample of ``tokens``, ``images`` and ``supervised`` targets goes to,
+        its load counted there
         (a new row if none takes it), or ``None`` when no row can (nothing changes).
         :meth:`add` without storing the sample: what measuring a packing needs."""
         target = None
@@ -50,8 +70,10 @@ class Packer:
             target = next(
                 (
                     r
-                    for r, (t, i) in enumerate(self.used)
-                    if t + tokens <= self.capacity and i + images <= self.slots
+                    for r, (t, i, n) in enumerate(self.used)
+                    if t + tokens <= self.capacity
+                    and i + images <= self.slots
+                    and n + supervised <= self.loss_tokens
                 ),
                 None,
             )
@@ -59,10 +81,10 @@ class Packer:
             if len(self.rows) == self.num_rows:
                 return None
             self.rows.append([])
-            self.used.append([0, 0])
+            self.used.append([0, 0, 0])
             target = len(self.rows) - 1
-        self.used[target][0] += tokens
-        self.used[target][1] += images
+        for k, n in enumerate((tokens, images, supervised)):
+            self.used[target][k] += n
         return target
 
     def arrays(
@@ -114,14 +136,24 @@ def packed_images(samples: Iterable[tuple[int, int]], num_rows: int, capacity: i
 
     Counts the rows of the steps that filled; the last, unfinished step counts only when
     no step filled (its later rows would still take samples)."""
-    done: list[int] = []
-    packer = Packer(num_rows, capacity, capacity, pack=True)
-    for n, k in samples:
-        if packer.place(n, k) is None:
-            done += [i for _, i in packer.used]
-            packer = Packer(num_rows, capacity, capacity, pack=True)
-            packer.place(n, k)
-    return done or [i for _, i in packer.used]
+    rows = packed_rows(((n, k, 0) for n, k in samples), num_rows, capacity, capacity)
+    return [i for _, i, _ in rows]
+
+
+def packed_rows(
+    samples: Iterable[tuple[int, int, int]], num_rows: int, capacity: int, slots: int
+) -> list[list[int]]:
+    """``[tokens, images, supervised targets]`` per row when ``(tokens, images,
+    supervised)`` samples pack as the loader packs them with ``slots`` image slots and no
+    loss budget (the rows :func:`packed_images` counts)."""
+    done: list[list[int]] = []
+    packer = Packer(num_rows, capacity, slots, pack=True)
+    for sample in samples:
+        if packer.place(*sample) is None:
+            done += packer.used
+            packer = Packer(num_rows, capacity, slots, pack=True)
+            packer.place(*sample)
+    return done or packer.used
 
 
 def assign(loads: np.ndarray, bins: tuple[int, int, int], *, balance: bool) -> np.ndarray:

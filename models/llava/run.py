@@ -19,6 +19,7 @@ import numpy as np
 
 from models import tokenizer
 from models.config import MLLMConfig
+from models.data import SyntheticConfig
 from models.llava import rows as rows_lib
 from models.llava.images import ImageProcessor
 from models.llava.loader import LlavaData, Loader, LoaderConfig, summary_counts
@@ -84,22 +85,72 @@ def build(
     if out.max_images and vision is None:
         raise ValueError(f"the records have images but model {model.name!r} has no vision encoder")
     budget = data.max_images_per_microbatch
+    measured = None  # the first records' shapes, loaded once for the derived defaults
     if budget is not None:
-        if rows and budget % rows:
-            up = math.ceil(budget / rows) * rows
-            raise ValueError(
-                f"max_images_per_microbatch={budget} does not split over a microbatch's {rows} "
-                f"rows; use max_images_per_microbatch={up}"
-            )
-        slots, source = budget // rows, "--max-images-per-microbatch"
+        slots = per_row("max_images_per_microbatch", budget, rows)
+        source = "--max-images-per-microbatch"
     elif data.pack and out.max_images:
-        slots, source = packed_slots(out)
+        measured = first_samples(out)
+        slots, source = packed_slots(out, measured=measured)
     else:
         slots = max(1, out.max_images)
         source = "the most images one record has (--max-images-per-microbatch sets it)"
     out.config = dataclasses.replace(cfg, images_per_row=slots)
-    out.image_budget = f"{slots} per row, {slots * rows} per microbatch of {rows} rows: {source}"
+    out.image_budget = budget_line(slots, rows, source)
+    budget = data.max_loss_tokens_per_microbatch
+    if budget is not None:
+        loss, source = (
+            per_row("max_loss_tokens_per_microbatch", budget, rows),
+            "--max-loss-tokens-per-microbatch",
+        )
+    else:
+        loss, source = derived_loss_tokens(out, measured or first_samples(out))
+    out.config = dataclasses.replace(out.config, loss_tokens_per_row=loss)
+    out.loss_budget = budget_line(loss, rows, source)
     return out, model
+
+
+def budget_line(per: int, rows: int, source: str) -> str:
+    """What the run summary says of a per-row budget: its sizes and where it came from."""
+    return f"{per} per row, {per * rows} per microbatch of {rows} rows: {source}"
+
+
+def per_row(name: str, budget: int, rows: int) -> int:
+    """A per-microbatch budget ``name`` split over a microbatch's ``rows``.
+
+    Raises:
+        ValueError: it does not split evenly (names the next budget that does).
+    """
+    if rows and budget % rows:
+        up = math.ceil(budget / rows) * rows
+        raise ValueError(
+            f"{name}={budget} does not split over a microbatch's {rows} rows; use {name}={up}"
+        )
+    return budget // rows
+
+
+def synthetic_loss_tokens(budget: int | None, data: SyntheticConfig, rows: int) -> tuple[int, str]:
+    """The synthetic rows' loss budget per row and a line saying where it came from: the
+    flag's share of a microbatch, or (default) the most any synthetic sample supervises,
+    an exact bound (:meth:`models.data.SyntheticConfig.max_supervised_tokens`).
+
+    Raises:
+        ValueError: the flag's share of a row is below that bound (one line, the fix).
+    """
+    need = data.max_supervised_tokens()
+    if budget is None:
+        return (
+            need,
+            "the most a synthetic sample supervises (--max-loss-tokens-per-microbatch sets it)",
+        )
+    cap = per_row("max_loss_tokens_per_microbatch", budget, rows)
+    if cap < need:
+        raise ValueError(
+            f"max_loss_tokens_per_microbatch={budget} is {cap} supervised tokens per row of a "
+            f"{rows}-row microbatch, but synthetic samples supervise up to {need}; use "
+            f"max_loss_tokens_per_microbatch={need * rows}"
+        )
+    return cap, "--max-loss-tokens-per-microbatch"
 
 
 # The packed default's sample: the records a run reads first, and the share of packed rows
@@ -108,12 +159,45 @@ PACKED_RECORDS = 2048
 PACKED_QUANTILE = 0.9
 
 
-def packed_slots(data: LlavaData, records: int = PACKED_RECORDS) -> tuple[int, str]:
+def first_samples(data: LlavaData, records: int = PACKED_RECORDS) -> Measured:
+    """The first ``records`` records of the stream (all, if fewer) as the loader loads them
+    (tokenized, image headers read, pixels not decoded; records it would skip left out):
+    what the derived budgets are measured on. No record is refused for its images or its
+    supervised tokens here: those are what is measured."""
+    c = data.config
+    bound = max(1, (c.seq_len + 1) // c.image_tokens) if c.image_tokens else 1
+    counts = [0] * len(data.files)
+    n = min(records, sum(len(f) for f in data.files))
+    drawn = [data.draw(counts) for _ in range(n)]
+
+    def shape(s: int, j: int) -> tuple[int, int, int] | None:
+        try:
+            sample = data.load(s, j, decode=False, slots=max(bound, data.max_images))
+        except BadSample:  # skipped or stopped at by the loader, as it says
+            return None
+        return len(sample.ids), len(sample.images), rows_lib.supervised_targets(sample.supervised)
+
+    with concurrent.futures.ThreadPoolExecutor(max(1, c.workers)) as pool:
+        shapes = [x for x in pool.map(shape, *zip(*drawn, strict=True)) if x is not None]
+    return Measured(n, shapes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Measured:
+    """:func:`first_samples`: how many records were drawn, and ``(tokens, images,
+    supervised targets)`` of those that load."""
+
+    records: int
+    samples: list[tuple[int, int, int]]
+
+
+def packed_slots(
+    data: LlavaData, records: int = PACKED_RECORDS, *, measured: Measured | None = None
+) -> tuple[int, str]:
     """The image slots per packed row, from the data, and a line saying how.
 
-    The first ``records`` records of the stream (all, if fewer; tokenized as the loader
-    does, image headers read, pixels not decoded; records the loader would skip left out)
-    are packed as the loader packs them but with no limit on a row's images
+    The first ``records`` records (:func:`first_samples`, or ``measured``) are packed as
+    the loader packs them but with no limit on a row's images
     (:func:`models.llava.rows.packed_images`). The slots are the :data:`PACKED_QUANTILE`
     quantile of those rows' images: the image-richest tenth of rows then closes to
     further image samples a little early (text-only samples still fill it), while every
@@ -123,25 +207,16 @@ def packed_slots(data: LlavaData, records: int = PACKED_RECORDS) -> tuple[int, s
     """
     c = data.config
     bound = max(1, (c.seq_len + 1) // c.image_tokens)
-    counts = [0] * len(data.files)
-    n = min(records, sum(len(f) for f in data.files))
-    drawn = [data.draw(counts) for _ in range(n)]
-
-    def shape(s: int, j: int) -> tuple[int, int] | None:
-        try:  # no record is refused for its images here: the slots are what is measured
-            sample = data.load(s, j, decode=False, slots=max(bound, data.max_images))
-        except BadSample:  # skipped or stopped at by the loader, as it says
-            return None
-        return len(sample.ids), len(sample.images)
-
-    with concurrent.futures.ThreadPoolExecutor(max(1, c.workers)) as pool:
-        samples = [x for x in pool.map(shape, *zip(*drawn, strict=True)) if x is not None]
+    measured = measured or first_samples(data, records)
+    n, samples = measured.records, measured.samples
     if not samples:  # every record drawn is one the loader skips: nothing to measure
         return max(1, min(bound, data.max_images)), (
             f"the most images one record has: none of the first {n} records loads to "
             "derive more from; --max-images-per-microbatch sets it"
         )
-    per_row = np.asarray(rows_lib.packed_images(samples, c.global_batch, c.seq_len + 1))
+    per_row = np.asarray(
+        rows_lib.packed_images([(t, i) for t, i, _ in samples], c.global_batch, c.seq_len + 1)
+    )
     q = int(np.quantile(per_row, PACKED_QUANTILE, method="higher"))
     slots = min(bound, max(q, data.max_images))
     pct = round(PACKED_QUANTILE * 100)
@@ -151,6 +226,38 @@ def packed_slots(data: LlavaData, records: int = PACKED_RECORDS) -> tuple[int, s
         f"limit, hold at most {q} images (mean {per_row.mean():.1f}, max {per_row.max()}); "
         f"at least a record's most ({data.max_images}), at most a row's {bound}; "
         "--max-images-per-microbatch sets it"
+    )
+
+
+# Derived loss budgets are rounded up to a multiple of this (a margin over the measured
+# rows, and whole tiles for the head's matmul).
+LOSS_ROUND = 8
+
+
+def derived_loss_tokens(data: LlavaData, measured: Measured) -> tuple[int, str]:
+    """The supervised targets per row the LM head computes, from the data, and a line
+    saying how: the most one row of the measured records holds (one record a row, or
+    packed as the loader packs them with the run's image slots), rounded up to a
+    multiple of :data:`LOSS_ROUND`, at most ``seq_len`` (every position: no saving). A
+    later record with more is skipped and counted (``too_many_loss_tokens``), never cut;
+    a packed row closes to a sample whose targets would not fit."""
+    c = data.config
+    n, samples = measured.records, measured.samples
+    if not samples:
+        return c.seq_len, (
+            f"every position: none of the first {n} records loads to derive it from; "
+            "--max-loss-tokens-per-microbatch sets it"
+        )
+    if c.pack:
+        rows = rows_lib.packed_rows(samples, c.global_batch, c.seq_len + 1, c.images_per_row)
+        most, how = max(r[2] for r in rows), f"the {len(rows)} packed rows of"
+    else:
+        most, how = max(x[2] for x in samples), "one row each,"
+    loss = min(c.seq_len, max(1, math.ceil(most / LOSS_ROUND) * LOSS_ROUND))
+    return loss, (
+        f"derived from the data: {how} the first {n} records ({n - len(samples)} skipped) "
+        f"supervise at most {most} tokens a row, rounded up to {LOSS_ROUND}s, at most "
+        f"seq_len; a record with more is skipped; --max-loss-tokens-per-microbatch sets it"
     )
 
 

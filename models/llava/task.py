@@ -55,9 +55,9 @@ class LlavaTask:
             )
         self.seq_len = config.model.seq_len or preset.seq_len
         images_per_row = 1
-        if config.data.sources:
-            from models.llava import run as llava_run
+        from models.llava import run as llava_run
 
+        if config.data.sources:
             self.dataset, preset = llava_run.build(
                 config.data,
                 preset,
@@ -67,13 +67,24 @@ class LlavaTask:
                 grow_vocab=fresh and m.vocab_size is None,
             )
             images_per_row = self.dataset.config.images_per_row
+            loss_tokens = self.dataset.config.loss_tokens_per_row
+            self.loss_budget = self.dataset.loss_budget
         else:
             data = SyntheticConfig.for_model(preset, seq_len=self.seq_len, seed=config.seed)
             self.dataset = SyntheticLlava(data)
+            rows = config.data.global_batch // config.parallel.microbatches
+            budget = config.data.max_loss_tokens_per_microbatch
+            loss_tokens, source = llava_run.synthetic_loss_tokens(budget, data, rows)
+            self.loss_budget = llava_run.budget_line(loss_tokens, rows, source)
         dtype = jnp.bfloat16 if config.model.dtype == "bfloat16" else jnp.float32
-        # Packed rows (several samples each) attend within their samples only.
+        # Packed rows (several samples each) attend within their samples only; the LM
+        # head computes logits at a row's (bounded) supervised positions only.
         self.mllm = MLLM(
-            preset, dtype=dtype, images_per_row=images_per_row, packed=config.data.pack
+            preset,
+            dtype=dtype,
+            images_per_row=images_per_row,
+            packed=config.data.pack,
+            loss_tokens_per_row=loss_tokens,
         )
         self.config: MLLMConfig = preset
 
@@ -129,8 +140,10 @@ class LlavaTask:
         return f"{self.config.name}: {sum(counts.values()):,} params ({params})"
 
     def summary(self) -> dict[str, Any]:
-        """The image budget and where it came from (flag or data), for LLaVA files."""
-        return {"image slots": self.dataset.image_budget} if self.run_config.data.sources else {}
+        """The image budget (LLaVA files) and the loss budget, and where they came from
+        (flag or data)."""
+        images = {"image slots": self.dataset.image_budget} if self.run_config.data.sources else {}
+        return {**images, "loss tokens": self.loss_budget}
 
     def metadata(self) -> dict[str, Any]:
         return {
@@ -213,7 +226,9 @@ class LlavaBatches:
         self.stream = llava_run.DataStream(self.task.dataset, bins, saved, image_rows=image_rows)
 
     def batch(self, step: int) -> dict[str, Any]:
-        return self.stream.batch(step)  # a bad record: models.llava.BadSample (a ValueError)
+        batch = self.stream.batch(step)  # a bad record: models.llava.BadSample (a ValueError)
+        self.task.mllm.check_loss_budget(batch)
+        return batch
 
     def step_metrics(self, step: int) -> dict[str, float]:
         return self.stream.step_metrics(step)
