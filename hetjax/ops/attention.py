@@ -2,9 +2,15 @@
 
 :func:`self_attention` is what ``models/`` calls with a block's projected ``q``/``k``/``v``:
 under context parallelism (``cp > 1``) the K/V ring of :func:`ring_attention`; for packed
-rows (segment ids) the position/segment mask of :func:`causal_attention`; otherwise the
-plain (or, on a GPU, fused) :func:`attention`. Keeping the choice here, not in each block,
-lets the kernels change without touching the models.
+rows (segment ids) the position/segment mask of :func:`causal_attention`; otherwise
+:func:`attention`. Keeping the choice here, not in each block, lets the kernels change
+without touching the models.
+
+Each of them runs cuDNN's fused kernel for bf16/f16 on a GPU and the plain XLA maths
+otherwise (:mod:`hetjax.ops.fused_attention`): decoders with the kernel's causal mask,
+encoders unmasked at any length, packed rows in cuDNN's packed layout (given
+``max_segments``), ring blocks merged by their log-sum-exp. Float32 and CPUs keep the
+plain path, so the FP32 parity tests compare the same maths as before.
 
 Shape key: B batch, L query length, S key length, H query heads, G kv heads (``G``
 divides ``H``), K head dim.
@@ -16,8 +22,9 @@ import jax
 import jax.numpy as jnp
 
 from hetjax.ops import context as parallel
+from hetjax.ops.fused_attention import Kernel, fused_attention, pick_kernel
 from hetjax.ops.ring_attention import ring_attention
-from hetjax.ops.ring_kernels import causal_attention, fused_attention_applies
+from hetjax.ops.ring_kernels import causal_attention
 
 
 def attention(
@@ -26,17 +33,21 @@ def attention(
     v_BxSxGxK: jax.Array,
     *,
     causal: bool,
+    kernel: Kernel | None = None,
 ) -> jax.Array:
     """Grouped-query scaled dot-product attention; ``H`` must be a multiple of ``G``.
 
-    With ``G == H`` this is plain multi-head attention. Causal attention on a GPU, where
-    cuDNN's fused kernel applies, runs through :func:`causal_attention`'s fused path (see
-    there: the scores are never materialised).
+    With ``G == H`` this is plain multi-head attention; ``causal``: query ``i`` sees keys
+    ``0 .. i``. ``kernel`` (see :data:`hetjax.ops.fused_attention.Kernel`; None picks):
+    ``"cudnn"`` runs cuDNN's flash kernel with its own causal mask, or none, at any length
+    (the scores are never materialised); ``"plain"`` the float32 softmax below.
     """
+    kernel = pick_kernel(kernel, q_BxLxHxK, k_BxSxGxK)
+    if kernel != "plain":
+        return fused_attention(
+            q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, causal=causal, implementation=kernel
+        )
     b, l, h, k = q_BxLxHxK.shape
-    if causal and fused_attention_applies(q_BxLxHxK, k_BxSxGxK):
-        s_pos = jnp.arange(k_BxSxGxK.shape[1])
-        return causal_attention(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, jnp.arange(l), s_pos, fused=True)
     g = k_BxSxGxK.shape[2]
     q_BxLxGxRxK = q_BxLxHxK.reshape(b, l, g, h // g, k)
     scores = jnp.einsum("blgrk,bsgk->bgrls", q_BxLxGxRxK, k_BxSxGxK).astype(jnp.float32)
@@ -58,6 +69,7 @@ def self_attention(
     causal: bool,
     positions: jax.Array | None = None,
     segment_ids: jax.Array | None = None,
+    max_segments: int | None = None,
 ) -> jax.Array:
     """A block's attention under the current stage context (:mod:`hetjax.ops.context`).
 
@@ -67,6 +79,8 @@ def self_attention(
         positions: ``[L]`` or ``[B, L]`` original positions of the tokens (causal only;
             under cp the sequence is stored permuted and the mask reads these).
         segment_ids: ``[B, L]`` packed rows' sample ids (causal only).
+        max_segments: a bound on the samples in any packed row; with it, packed rows
+            take cuDNN's packed layout on a GPU (without, its mask is a bias there).
 
     Returns:
         ``[B, L, H, K]``.
@@ -94,6 +108,7 @@ def self_attention(
             zigzag=True,
             segment_ids=segment_ids,
         )
+    qkv = (q_BxLxHxK, k_BxLxGxK, v_BxLxGxK)
     if causal and segment_ids is not None:
-        return causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, positions, segment_ids=segment_ids)
-    return attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, causal=causal)
+        return causal_attention(*qkv, positions, segment_ids=segment_ids, max_segments=max_segments)
+    return attention(*qkv, causal=causal)

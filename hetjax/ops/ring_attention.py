@@ -18,8 +18,9 @@ Why a ring and not an all-gather of K/V (``impl="allgather"``, also offered):
   custom VJP that passes K/V and their gradient accumulators around the ring again)
   saves only ``O(L/cp)`` residuals; an all-gather materialises the full ``L``-token K/V
   and ``[L/cp, L]`` scores on every rank, and autodiff keeps them for the backward.
-  (A fused flash kernel inside each step would tile the score block too; this one is
-  plain XLA so it runs and is tested on CPU.)
+  On a GPU in bf16/f16 each block is cuDNN's flash kernel instead, which tiles the score
+  block too (:mod:`hetjax.ops.ring_fused`: blocks merged by their log-sum-exp; zigzag and
+  encoder rings); the plain blocks are XLA maths, so they run and are tested on CPU.
 * overlap: the ``ppermute`` of the next block does not depend on the current block's
   maths, so XLA can run the transfer under the compute.
 
@@ -53,6 +54,8 @@ from jax.sharding import Mesh, PartitionSpec
 
 from hetjax.meshes.sequence import inverse_permutation, zigzag_permutation
 from hetjax.ops.context import cp_is_manual
+from hetjax.ops.fused_attention import Kernel, pick_kernel
+from hetjax.ops.ring_fused import fused_ring_backward, fused_ring_forward
 from hetjax.ops.ring_kernels import (
     _allgather_kernel,
     _ring_backward_kernel,
@@ -102,6 +105,8 @@ def ring_attention(
     causal: bool = True,
     segment_ids: jax.Array | None = None,
     dense_at_cp1: bool = True,
+    kernel: Kernel | None = None,
+    max_segments: int | None = None,
 ) -> jax.Array:
     """GQA attention with the sequence sharded over the ``cp_axis`` of ``mesh``.
 
@@ -140,12 +145,20 @@ def ring_attention(
             False runs ``impl``'s per-rank kernel on the one rank anyway - the ring's
             online-softmax block with its custom backward, or the all-gather's dense
             maths - to time the kernels themselves on one device.
+        kernel: the ring's blocks: ``"plain"`` (online softmax in XLA), ``"cudnn"``
+            (cuDNN's fused kernel per block, :mod:`hetjax.ops.ring_fused`) or ``"xla"``
+            (the fused blocks' contract in XLA maths, for tests); the fused blocks need
+            ``zigzag=True`` or ``causal=False`` and no ``segment_ids``. None: ``"cudnn"``
+            where that holds and :func:`~hetjax.ops.fused_attention.fused_attention_applies`,
+            else ``"plain"``. With ``cp == 1`` and ``dense_at_cp1`` it goes to
+            :func:`causal_attention`, as does ``max_segments``.
 
     Returns:
         ``[B, L, H, K]`` attention output, in the dtype of ``q``, sharded like ``q``.
 
     Raises:
-        ValueError: unknown axis, or a dimension not divisible by its mesh axes.
+        ValueError: unknown axis, or a dimension not divisible by its mesh axes, or fused
+            blocks asked for where their masks do not apply.
     """
     if impl not in ("ring", "allgather"):
         raise ValueError(f"ring_attention: impl={impl!r}; use 'ring' or 'allgather'")
@@ -177,8 +190,15 @@ def ring_attention(
         positions = jnp.broadcast_to(positions, (b, seq))
     cp = 1 if mesh is None or cp_axis not in mesh.axis_names else int(mesh.shape[cp_axis])
     if cp == 1 and (dense_at_cp1 or mesh is None or cp_axis not in mesh.axis_names):
-        return causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, positions, segment_ids=segment_ids)
-
+        return causal_attention(
+            q_BxLxHxK,
+            k_BxLxGxK,
+            v_BxLxGxK,
+            positions,
+            segment_ids=segment_ids,
+            kernel=kernel,
+            max_segments=max_segments,
+        )
     # Inside a region already manual over cp (the stage programs' per-rank backward) the
     # arrays are this rank's block: the kernels run directly, with no shard_map.
     manual = cp_is_manual(cp_axis)
@@ -203,6 +223,9 @@ def ring_attention(
             + "; ".join(problems)
             + ". Change the layout or pad the arrays."
         )
+    block = (seq if manual else seq // cp) // (2 if zigzag else 1)
+    fusable = (zigzag or not causal) and segment_ids is None and impl == "ring"
+    kernel = _ring_kernel(kernel, q_BxLxHxK, k_BxLxGxK, fusable=fusable, block=block)
     if g % tp:
         # Megatron replicates kv heads when tp > G; repeating to H keeps heads aligned.
         k_BxLxGxK = jnp.repeat(k_BxLxGxK, h // g, axis=2)
@@ -218,13 +241,17 @@ def ring_attention(
     positions = tag(positions, segment_ids)
 
     kw = dict(axis=cp_axis, cp=cp, zigzag=zigzag)
+    fwd_kernel, bwd_kernel = _ring_forward_kernel, _ring_backward_kernel
+    if kernel != "plain":
+        kw.update(causal=causal, implementation=kernel)
+        fwd_kernel, bwd_kernel = fused_ring_forward, fused_ring_backward
     if manual:
         if impl == "allgather":
             return _allgather_kernel(
                 q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, positions, positions, axis=cp_axis
             )
-        fwd = functools.partial(_ring_forward_kernel, **kw)
-        bwd = functools.partial(_ring_backward_kernel, **kw)
+        fwd = functools.partial(fwd_kernel, **kw)
+        bwd = functools.partial(bwd_kernel, **kw)
         return _ring_vjp(fwd, bwd)(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, positions)
 
     if impl == "allgather":
@@ -241,20 +268,35 @@ def ring_attention(
     # ``jax.vmap(..., spmd_axis_name="dp")`` (the executor's per-replica backward) the
     # type check rejects the zigzag ``lax.cond`` mixing dp-batched and unbatched operands.
     fwd = jax.shard_map(
-        functools.partial(_ring_forward_kernel, **kw),
+        functools.partial(fwd_kernel, **kw),
         mesh=mesh,
         in_specs=in_specs,
         out_specs=(x_spec, lse_spec),
         check_vma=False,
     )
     bwd = jax.shard_map(
-        functools.partial(_ring_backward_kernel, **kw),
+        functools.partial(bwd_kernel, **kw),
         mesh=mesh,
         in_specs=(*in_specs, x_spec, lse_spec, x_spec),
         out_specs=(x_spec,) * 3,
         check_vma=False,
     )
     return _ring_vjp(fwd, bwd)(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, positions)
+
+
+def _ring_kernel(kernel: Kernel | None, q, k, *, fusable: bool, block: int) -> Kernel:
+    """The ring's blocks: fused only where their masks are the kernel's (causal diagonal,
+    unmasked half-blocks) and, as JAX's cuDNN training call wants, of even length."""
+    fusable = fusable and block % 2 == 0
+    if kernel is None:
+        return pick_kernel(None, q, k) if fusable else "plain"
+    if kernel != "plain" and not fusable:
+        raise ValueError(
+            f"ring_attention: kernel={kernel!r} needs impl='ring' with zigzag=True or"
+            f" causal=False, no segment_ids and even blocks (here {block} tokens); use"
+            " kernel='plain' (or None)"
+        )
+    return kernel
 
 
 def _ring_vjp(fwd, bwd):

@@ -9,10 +9,17 @@ argument checks and the custom VJP; the shape key is the one documented there.
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
+
+from hetjax.ops.fused_attention import (
+    Kernel,
+    bias_fused_applies,
+    fused_attention_applies,
+    masked_fused_attention,
+    packed_fused_attention,
+)
 
 # A token's mask tag: its position ``[L]``/``[B, L]``, or for packed rows the pair
 # ``(positions, segment_ids)``; K/V blocks travel the ring with their keys' tags.
@@ -51,22 +58,23 @@ def causal_attention(
     k_positions: Tag | None = None,
     *,
     segment_ids: jax.Array | None = None,
-    fused: bool | None = None,
+    kernel: Kernel | None = None,
+    max_segments: int | None = None,
 ) -> jax.Array:
     """Causal GQA attention with the mask taken from positions (``q_pos >= k_pos``).
 
-    The single-device path of :func:`ring_attention` (``cp == 1``) and the local maths of
-    its all-gather variant; differentiated by autodiff. Softmax in float32.
+    The single-device path of :func:`ring_attention` (``cp == 1``), packed rows' attention
+    and the local maths of the all-gather ring; differentiated by autodiff. Softmax in
+    float32.
 
-    On a GPU, bf16/f16 inputs that cuDNN's flash attention takes (see
-    :func:`fused_attention_applies`) run through it (``jax.nn.dot_product_attention``,
-    ``implementation="cudnn"``), which never materialises the ``[H, L, S]`` scores: the
-    plain path's float32 scores are 10.7 GB per layer at 40 heads and sequence 8192, and
-    autodiff keeps several such arrays per layer. The mask is the same one, passed as
-    cuDNN's additive bias (so masked tiles are computed, not skipped: exact for any
-    positions and packed rows, at up to twice the attention FLOPs of a causal kernel).
-    ``HETJAX_FUSED_ATTENTION=0`` turns it off. Float32 inputs (the parity tests) and CPUs
-    always take the plain path.
+    On a GPU, bf16/f16 inputs take cuDNN's fused kernel (:mod:`hetjax.ops.fused_attention`),
+    which never materialises the ``[H, L, S]`` scores (the plain path's float32 scores are
+    10.7 GB per layer at 40 heads and sequence 8192): packed rows with a ``max_segments``
+    bound through cuDNN's packed layout (each sample causal on its own, no bias); other
+    positions as an additive bias (the full square is computed; even lengths only).
+    Attention whose positions are ``0 .. L-1`` is :func:`hetjax.ops.attention.attention`'s
+    job (the kernel's own causal mask). ``HETJAX_FUSED_ATTENTION=0`` turns fusion off;
+    float32 inputs (the parity tests) and CPUs always take the plain path.
 
     Args:
         q_BxLxHxK: queries. k_BxSxGxK, v_BxSxGxK: keys and values, ``G`` divides ``H``.
@@ -75,53 +83,43 @@ def causal_attention(
         k_positions: the same for the keys; defaults to ``q_positions``.
         segment_ids: ``[B, L]`` packed rows' sample ids (queries and keys alike): a query
             sees only keys of its own segment. Positions then restart per segment.
-        fused: True: cuDNN's fused kernel (an error where it does not apply); False: the
-            plain path; None: fused where :func:`fused_attention_applies`.
+        kernel: ``"plain"``, ``"cudnn"`` or ``"xla"`` (the fused call in XLA maths, for
+            tests); None: ``"cudnn"`` where it applies, else ``"plain"``.
+        max_segments: a bound on every row's segments (the packer's samples per row):
+            lets packed rows use cuDNN's packed layout instead of a bias.
 
     Returns:
         ``[B, L, H, K]`` in the dtype of ``q``.
     """
+    packed = segment_ids is not None and max_segments is not None and k_positions is None
+    if kernel is None:
+        fits = fused_attention_applies if packed else bias_fused_applies
+        kernel = "cudnn" if fits(q_BxLxHxK, k_BxSxGxK) else "plain"
+    if kernel != "plain" and packed:
+        return packed_fused_attention(
+            q_BxLxHxK,
+            k_BxSxGxK,
+            v_BxSxGxK,
+            segment_ids,
+            max_segments=max_segments,
+            implementation=kernel,
+        )
     q_positions = tag(q_positions, segment_ids)
     k_positions = q_positions if k_positions is None else k_positions
-    if fused is None:
-        fused = fused_attention_applies(q_BxLxHxK, k_BxSxGxK)
-    if fused:
-        return _library_attention(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, q_positions, k_positions)
+    mask_Bx1x1xLxS = _mask_bx1x1xlxs(q_positions, k_positions)
+    if kernel != "plain":
+        return masked_fused_attention(
+            q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, mask_Bx1x1xLxS[:, 0], implementation=kernel
+        )
     b, l, h, d = q_BxLxHxK.shape
     g = k_BxSxGxK.shape[2]
     q_BxLxGxRxK = q_BxLxHxK.reshape(b, l, g, h // g, d)
     s = jnp.einsum("blgrk,bsgk->bgrls", q_BxLxGxRxK, k_BxSxGxK, preferred_element_type=jnp.float32)
     s = s / jnp.sqrt(jnp.float32(d))
-    s = jnp.where(_mask_bx1x1xlxs(q_positions, k_positions), s, jnp.finfo(jnp.float32).min)
+    s = jnp.where(mask_Bx1x1xLxS, s, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(s, axis=-1).astype(v_BxSxGxK.dtype)
     out = jnp.einsum("bgrls,bsgk->blgrk", probs, v_BxSxGxK)
     return out.reshape(b, l, h, d).astype(q_BxLxHxK.dtype)
-
-
-def _library_attention(q, k, v, q_positions: Tag, k_positions: Tag, implementation="cudnn"):
-    """``jax.nn.dot_product_attention`` with :func:`causal_attention`'s mask (``"xla"``:
-    JAX's own unfused maths, which the tests compare on CPU)."""
-    mask_Bx1xLxS = _mask_bx1x1xlxs(q_positions, k_positions)[:, 0]
-    out = jax.nn.dot_product_attention(q, k, v, mask=mask_Bx1xLxS, implementation=implementation)
-    return out.astype(q.dtype)
-
-
-def fused_attention_applies(q_BxLxHxK: jax.Array, k_BxSxGxK: jax.Array) -> bool:
-    """Whether :func:`causal_attention` runs cuDNN's fused kernel: the default backend is
-    a GPU, ``HETJAX_FUSED_ATTENTION`` is not ``0``, the inputs are bf16 or f16, the head
-    dimension a multiple of 8 up to 128, and both sequence lengths even (what cuDNN asks
-    of a training kernel with a bias; an odd CLIP sequence of 577 tokens stays plain)."""
-    d, l, s = q_BxLxHxK.shape[-1], q_BxLxHxK.shape[1], k_BxSxGxK.shape[1]
-    return (
-        os.environ.get("HETJAX_FUSED_ATTENTION", "1") != "0"
-        and jax.default_backend() == "gpu"
-        and q_BxLxHxK.dtype in (jnp.bfloat16, jnp.float16)
-        and k_BxSxGxK.dtype == q_BxLxHxK.dtype
-        and d % 8 == 0
-        and d <= 128
-        and l % 2 == 0
-        and s % 2 == 0
-    )
 
 
 # -- ring kernels (run per rank inside shard_map) ---------------------------------------

@@ -388,27 +388,3 @@ def test_errors_name_the_problem():
         ring_attention(q, k, v, jnp.arange(12), mesh=stage_mesh(dp=4, cp=2))
     with pytest.raises(ValueError, match="impl"):
         ring_attention(q, k, v, jnp.arange(12), mesh=stage_mesh(cp=2), impl="ulysses")
-
-
-@pytest.mark.parametrize("packed", [False, True], ids=["positions", "packed"])
-def test_library_attention_takes_the_same_mask(packed):
-    """The fused path of ``causal_attention`` (``jax.nn.dot_product_attention``; cuDNN
-    on a GPU) gets the plain path's mask: run with JAX's own ``"xla"`` implementation on
-    CPU, it matches the plain path in FP32 (GQA, arbitrary positions, packed rows)."""
-    from hetjax.ops.ring_kernels import _library_attention, fused_attention_applies, tag
-
-    q, k, v = qkv(seed=5)
-    if packed:
-        seg, pos = packed_rows([[5, 7, 4], [9, 3, 4]], q.shape[1])
-        qtag = tag(jnp.asarray(pos), jnp.asarray(seg))
-    else:
-        seg, qtag = None, jnp.asarray(np.random.default_rng(3).permutation(q.shape[1]))
-
-    def plain(q, k, v):
-        s = None if seg is None else jnp.asarray(seg)
-        p = qtag if seg is None else qtag[0]
-        return causal_attention(q, k, v, p, segment_ids=s, fused=False)
-
-    library = lambda q, k, v: _library_attention(q, k, v, qtag, qtag, implementation="xla")
-    assert_matches_reference(library, q, k, v, value_and_grads(plain)(q, k, v))
-    assert not fused_attention_applies(q.astype(jnp.bfloat16), k.astype(jnp.bfloat16))  # CPU
