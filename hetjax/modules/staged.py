@@ -26,6 +26,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -71,6 +72,10 @@ class StagedModule:
         block: factory ``rngs -> nnx.Module`` for ONE block; called ``num_layers`` times.
         post: factory for the part after the blocks, or None.
         num_layers: number of identical blocks (0 allowed when ``block`` is None).
+        unroll: layers per iteration of the block scan (``jax.lax.scan``'s ``unroll``): 1
+            (default) a loop over layers; ``N`` N layers per iteration; ``True`` no loop
+            at all (MaxText's ``scan_layers=False``, its GPU recipes' choice): XLA then
+            schedules across layer boundaries, at the cost of compile time.
     """
 
     def __init__(
@@ -81,6 +86,7 @@ class StagedModule:
         block: ModuleFactory | None = None,
         post: ModuleFactory | None = None,
         num_layers: int = 0,
+        unroll: int | bool = 1,
     ):
         if (block is None) != (num_layers == 0):
             raise ValueError(
@@ -89,6 +95,7 @@ class StagedModule:
             )
         self.name = name
         self.num_layers = num_layers
+        self.unroll = unroll
         self._factories = {"pre": pre, "blocks": block, "post": post}
         self._defs: dict[str, nnx.GraphDef | None] = {}
         self._abstract: Params = {}
@@ -109,6 +116,13 @@ class StagedModule:
             self._defs[part] = graphdef
             self._abstract[part] = abstract
             self._axes[part] = axes
+
+    def with_unroll(self, unroll: int | bool) -> StagedModule:
+        """The same module (shared graph definitions) whose block scan unrolls ``unroll``
+        layers per iteration (see the class)."""
+        other = copy.copy(self)
+        other.unroll = unroll
+        return other
 
     # -- parameters ---------------------------------------------------------------------
 
@@ -161,6 +175,7 @@ class StagedModule:
         start: int = 0,
         stop: int | None = None,
         carry_sharding: jax.sharding.Sharding | None = None,
+        unroll: int | bool | None = None,
         **kwargs: Any,
     ) -> Any:
         """Runs blocks ``[start, stop)`` of the stack with a scan.
@@ -168,7 +183,8 @@ class StagedModule:
         ``params`` may hold the full stack (then it is sliced here) or exactly the
         ``stop - start`` layers of a pipeline stage (then it is used as is).
         ``carry_sharding``, if given, constrains the activation between blocks (used for
-        sequence parallelism); ``kwargs`` go to every block.
+        sequence parallelism); ``unroll`` overrides the module's layers per scan
+        iteration; ``kwargs`` go to every block.
         """
         if self._defs["blocks"] is None:
             return h
@@ -188,7 +204,8 @@ class StagedModule:
                 carry = jax.lax.with_sharding_constraint(carry, carry_sharding)
             return nnx.merge(block_def, layer_params)(carry, **kwargs), None
 
-        h, _ = jax.lax.scan(body, h, params)
+        unroll = self.unroll if unroll is None else unroll
+        h, _ = jax.lax.scan(body, h, params, unroll=unroll)
         return h
 
     def __call__(self, params: Params, *args: Any, **kwargs: Any) -> Any:

@@ -146,3 +146,23 @@ def test_module_without_blocks_passes_through():
     x = jnp.ones((1, 4))
     np.testing.assert_array_equal(m.apply_blocks({}, x), x)
     np.testing.assert_allclose(m(params, x), x @ params["pre"]["kernel"], rtol=1e-6)
+
+
+def test_unrolled_blocks_compute_the_same_without_a_loop(tiny):
+    """``unroll=True``: the same blocks with no ``while`` loop in the program; the module's
+    default stays a loop over the layers."""
+    model, params = tiny
+    llm, blocks = model.modules["llm"], params["llm"]["blocks"]
+    x = jax.random.normal(jax.random.key(1), (2, 8, model.config.llm.width))
+
+    def run(unroll):
+        fn = jax.jit(lambda b, x: llm.apply_blocks(b, x, unroll=unroll))
+        return fn(blocks, x), fn.lower(blocks, x).compile().as_text()
+
+    (scanned, loop), (unrolled, flat) = run(None), run(True)
+    np.testing.assert_allclose(unrolled, scanned, rtol=1e-6, atol=1e-6)
+    assert llm.unroll == 1 and " while(" in loop and " while(" not in flat
+    whole = llm.with_unroll(True)
+    assert whole.unroll is True and llm.unroll == 1 and whole._defs is llm._defs
+    got = jax.jit(lambda b, x: whole.apply_blocks(b, x))(blocks, x)
+    np.testing.assert_allclose(got, scanned, rtol=1e-6, atol=1e-6)
