@@ -21,11 +21,22 @@ checks that this jaxlib knows them all. What they do:
 
 Pipelining and double buffering grow the HLO and the compile time (XLA's reason for
 leaving them off by default); the per-stage programs here are small, so that is cheap.
+
+``recipe="maxtext"`` adds what MaxText's GPU recipes set on top (its Llama-2-7B A3 scripts,
+``src/maxtext/configs/gpu/a3/llama_2_7b/*.sh``, and its single-host GPU guide): cuBLAS for
+every gemm instead of Triton's (``xla_gpu_enable_triton_gemm=false``), no CUDA graphs
+(``xla_gpu_enable_command_buffer=``), collectives on the highest-priority stream, larger
+collective combine thresholds without combining by dimension, and XLA's
+rematerialisation pass off. (Its ``xla_gpu_pipeline_*=on`` are the newer names of the
+``xla_gpu_enable_pipelined_*`` flags above; jaxlib 0.10 does not know them.)
+``experiments.gpu_check`` measures both recipes and none; O1 stays the default until a
+GPU run shows the other faster.
 """
 
 from __future__ import annotations
 
 import os
+from typing import Literal
 
 GPU_FLAGS: dict[str, str] = {
     "xla_gpu_enable_latency_hiding_scheduler": "true",
@@ -36,9 +47,25 @@ GPU_FLAGS: dict[str, str] = {
 }
 
 
-def gpu_flags() -> list[str]:
-    """The suggested flags, each as ``--name=value`` (see the module docstring)."""
-    return [f"--{name}={value}" for name, value in GPU_FLAGS.items()]
+MAXTEXT_FLAGS: dict[str, str] = {
+    "xla_gpu_enable_triton_gemm": "false",
+    "xla_gpu_enable_command_buffer": "",
+    "xla_gpu_enable_highest_priority_async_stream": "true",
+    "xla_gpu_all_reduce_combine_threshold_bytes": "134217728",
+    "xla_gpu_all_gather_combine_threshold_bytes": "134217728",
+    "xla_gpu_reduce_scatter_combine_threshold_bytes": "67108864",
+    "xla_gpu_enable_all_gather_combine_by_dim": "false",
+    "xla_gpu_enable_reduce_scatter_combine_by_dim": "false",
+    "xla_disable_hlo_passes": "rematerialization",
+}
+Recipe = Literal["o1", "maxtext"]
+RECIPES: dict[str, dict[str, str]] = {"o1": GPU_FLAGS, "maxtext": {**GPU_FLAGS, **MAXTEXT_FLAGS}}
+
+
+def gpu_flags(recipe: Recipe = "o1") -> list[str]:
+    """The suggested flags of ``recipe``, each as ``--name=value`` (see the module
+    docstring)."""
+    return [f"--{name}={value}" for name, value in RECIPES[recipe].items()]
 
 
 def _flag_name(flag: str) -> str:
@@ -61,8 +88,9 @@ def _backend_started() -> bool:
     return started() if started is not None else bool(getattr(xla_bridge, "_backends", {}))
 
 
-def apply_gpu_flags() -> str:
-    """Adds :func:`gpu_flags` to ``XLA_FLAGS``; call before JAX starts a backend.
+def apply_gpu_flags(recipe: Recipe = "o1") -> str:
+    """Adds :func:`gpu_flags` of ``recipe`` to ``XLA_FLAGS``; call before JAX starts a
+    backend.
 
     Returns:
         The new ``XLA_FLAGS``.
@@ -81,5 +109,5 @@ def apply_gpu_flags() -> str:
             "call hetjax.gpu.apply_gpu_flags() before jax.devices() or any array, or set "
             f"XLA_FLAGS='{' '.join(gpu_flags())}' in the environment"
         )
-    os.environ["XLA_FLAGS"] = merge_flags(os.environ.get("XLA_FLAGS", ""), gpu_flags())
+    os.environ["XLA_FLAGS"] = merge_flags(os.environ.get("XLA_FLAGS", ""), gpu_flags(recipe))
     return os.environ["XLA_FLAGS"]

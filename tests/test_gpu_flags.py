@@ -1,5 +1,6 @@
-"""hetjax.gpu: the suggested XLA:GPU flags are well formed, known to this jaxlib, and
-merge into XLA_FLAGS without duplicates; applying them after the backend starts fails."""
+"""hetjax.gpu: the suggested XLA:GPU flags (XLA's O1 and MaxText's GPU recipe) are well
+formed, known to this jaxlib, and merge into XLA_FLAGS without duplicates; applying them
+after the backend starts fails."""
 
 import os
 import re
@@ -16,6 +17,11 @@ def test_flags_are_well_formed():
     assert flags and len(flags) == len(set(flags))
     for f in flags:
         assert re.fullmatch(r"--xla_gpu_[a-z0-9_]+=(true|false|[0-9]+)", f), f
+    maxtext = gpu.gpu_flags("maxtext")
+    assert set(flags) < set(maxtext) and len(maxtext) == len(set(maxtext))
+    assert "--xla_gpu_enable_triton_gemm=false" in maxtext
+    for f in maxtext:
+        assert re.fullmatch(r"--xla_[a-z0-9_]+=(true|false|[0-9]+|[a-z_]*)", f), f
 
 
 def test_merge_keeps_user_values_and_adds_each_flag_once():
@@ -37,10 +43,11 @@ def test_apply_refuses_after_the_backend_started(monkeypatch):
     assert os.environ["XLA_FLAGS"] == "--xla_cpu_foo=1"
 
 
-def test_apply_before_the_backend_sets_flags_xla_knows():
+@pytest.mark.parametrize("recipe", ["o1", "maxtext"])
+def test_apply_before_the_backend_sets_flags_xla_knows(recipe):
     # XLA aborts on an unknown flag in XLA_FLAGS; a fresh process applies them and runs.
     code = (
-        "import os, hetjax, jax; hetjax.apply_gpu_flags(); "
+        f"import os, hetjax, jax; hetjax.apply_gpu_flags({recipe!r}); "
         "print(jax.numpy.ones(2).sum()); print(os.environ['XLA_FLAGS'])"
     )
     env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_cpu_enable_fast_math=false"}
@@ -48,4 +55,4 @@ def test_apply_before_the_backend_sets_flags_xla_knows():
     assert out.returncode == 0, out.stderr[-2000:]
     total, flags = out.stdout.splitlines()[-2:]
     assert total == "2.0"
-    assert flags.split() == ["--xla_cpu_enable_fast_math=false", *gpu.gpu_flags()]
+    assert flags.split() == ["--xla_cpu_enable_fast_math=false", *gpu.gpu_flags(recipe)]
