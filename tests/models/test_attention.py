@@ -3,6 +3,8 @@
 Shape key: B batch, L query length, S key length, H query heads, G kv heads, K head dim.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -155,3 +157,32 @@ def test_llm_is_causal(tiny):
     )
     # The change is visible from position t + 1 on.
     assert not np.allclose(np.asarray(h_a[:, t + 1 :]), np.asarray(h_b[:, t + 1 :]))
+
+
+def test_bf16_model_lowers_to_cudnn_masks_without_bias(tiny, monkeypatch):
+    """The bf16 model's program lowered for CUDA (cuDNN's probes stubbed, no GPU needed):
+    the vision encoder's attention is cuDNN's unmasked kernel and the LLM's its causal
+    one, forward and backward, and no attention reads a bias (``ScaleBias`` calls)."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(cudnn, "check_cudnn_version", lambda: 91000)
+    cfg, _, _, batch = tiny
+    model = MLLM(cfg, dtype=jnp.bfloat16)
+    params = model.init(jax.random.key(1))
+    llm = model.modules["llm"]
+
+    def loss(params, tokens, images):
+        image_tokens = model.encode(params, {"images": images})["image"]
+        h = llm.apply_pre(params["llm"]["pre"], tokens, image=image_tokens)
+        return jnp.sum(llm.apply_blocks(params["llm"]["blocks"], h).astype(jnp.float32))
+
+    traced = jax.jit(jax.grad(loss)).trace(params, batch["tokens"], batch["images"])
+    text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    calls = re.findall(r"custom_call @(__cudnn\$\w+)\([^\n]*?mask_type\\22: \\22(\w+)", text)
+    assert sorted(calls) == [
+        ("__cudnn$fmhaSoftmax", "CAUSAL"),
+        ("__cudnn$fmhaSoftmax", "NO_MASK"),
+        ("__cudnn$fmhaSoftmaxBackward", "CAUSAL"),
+        ("__cudnn$fmhaSoftmaxBackward", "NO_MASK"),
+    ]
