@@ -162,7 +162,8 @@ AUTO = "auto"  # --layout auto: parallel.layouts == {AUTO: AUTO}
 
 def hetjax_workload(global_batch: int, seq_len: int, *, act_bytes: int):
     """A runnable preset's step as hetjax's executor runs it: one image per sample, XLA's
-    full attention, separate q/k/v/gate/up weights, ep gradients (and cp ones, except a
+    full attention, one TP input-gradient reduction per column-parallel weight (fused
+    q|k|v and gate|up: two per block), ep gradients (and cp ones, except a
     dense LLM's, which are reduced once per step) summed per microbatch (what the
     validation test checks against the compiled programs)."""
     from hetjax.plan import Workload

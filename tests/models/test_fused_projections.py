@@ -20,12 +20,14 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import hetjax
 from hetjax.inspect import collectives
 from hetjax.meshes.rules import param_shardings
-from models.config import LLMConfig
+from models.config import LLMConfig, get_preset
 from models.hf.rules import Rule, hf_shapes, read_leaf, to_hf
 from models.layers import DecoderBlock
 from models.llm import make_llm
+from models.mllm import MLLM
 
 # Widths chosen so every matmul has its own (output size, contracted size) signature.
 B, L, D, H, G, F = 1, 8, 48, 4, 2, 40
@@ -126,3 +128,33 @@ def test_hf_fused_leaves_round_trip(heads, kv_heads):
 def test_heads_not_a_multiple_of_kv_heads_is_one_line():
     with pytest.raises(ValueError, match=r"heads=6 is not a multiple of kv_heads=4"):
         DecoderBlock(24, 6, 4, 8, rope_theta=1e4, eps=1e-5, rngs=None, dtype=jnp.float32)
+
+
+def test_a_checkpoint_with_separate_projections_is_one_line(tmp_path):
+    """Checkpoints written before the fusion (q, k, v, gate, up leaves) are refused in
+    one line naming an old leaf, not converted: train from an HF export instead."""
+    from hetjax import checkpoint
+    from hetjax.checkpoint import CheckpointError
+
+    model = MLLM(get_preset("tiny"))
+    params = model.init(jax.random.key(0))
+    blocks = dict(params["llm"]["blocks"])
+    qkv, gate_up = blocks.pop("qkv")["kernel"], blocks.pop("gate_up")["kernel"]
+    r = qkv.shape[3] - 2
+    blocks["q"] = {"kernel": qkv[:, :, :, :r].reshape(*qkv.shape[:2], -1)}
+    blocks["k"] = {"kernel": qkv[:, :, :, r].reshape(*qkv.shape[:2], -1)}
+    blocks["v"] = {"kernel": qkv[:, :, :, r + 1].reshape(*qkv.shape[:2], -1)}
+    blocks["gate"], blocks["up"] = {"kernel": gate_up[:, :, 0]}, {"kernel": gate_up[:, :, 1]}
+    old = {**params, "llm": {**params["llm"], "blocks": blocks}}
+
+    def trainer(p):
+        tx = hetjax.make_optimizer(hetjax.AdamWConfig(total_steps=10))
+        return hetjax.ReferenceTrainer(model.loss_sum, p, tx, devices=jax.devices()[:1])
+
+    checkpoint.save(tmp_path / "old", trainer(old), 1)
+    with pytest.raises(
+        CheckpointError,
+        match=r"another model: its parameter llm/blocks/gate/kernel \(4, 64, 128\) is",
+    ) as e:
+        checkpoint.restore(tmp_path / "old", trainer(params))
+    assert "\n" not in str(e.value)

@@ -88,7 +88,7 @@ def measure(name: str) -> tuple[dict, dict]:
         1,
         act_bytes=4,
         full_attention=True,  # XLA's attention computes the masked half
-        fused_columns=False,  # separate q, k, v, gate, up weights
+        fused_columns=False,  # one reduction per column-parallel weight (2: fused qkv, gate|up)
         replica_grads_per_microbatch=True,  # the engine's: see hetjax.plan.stage
     )
     est = estimate(cfg, plan, work, "cpu")
