@@ -88,6 +88,8 @@ class LMHeadLoss(nnx.Module):
     parallelism each cp rank's block (zigzag order; the loss is order-free), so the
     gather never crosses ranks; a block's capacity is ``min(capacity, its length)``.
     ``capacity=None`` (or at least the block's length): every position, as before.
+
+    Shape key: K stored blocks of a row, T positions a block, C the capacity.
     """
 
     def __init__(self, cfg: LLMConfig, *, rngs: nnx.Rngs, dtype: Any, capacity: int | None = None):
@@ -96,7 +98,8 @@ class LMHeadLoss(nnx.Module):
         self.capacity = capacity
 
     def logits(self, h_BxLxD: jax.Array) -> jax.Array:
-        """Float32 logits at every position (what inference and the HF export read)."""
+        """Float32 logits at every position of ``h`` (inference and the HF export pass
+        whole rows; the loss, with a capacity, its gathered positions)."""
         h_BxLxD = parallel.enter_tensor_parallel(self.norm(h_BxLxD))
         logits_BxLxV = self.head(h_BxLxD).astype(jnp.float32)
         return parallel.tensor_parallel_activation(logits_BxLxV, 2)  # vocab over tp

@@ -147,6 +147,13 @@ class MLLM:
                 f"least {counts[row]} x the rows of a microbatch"
             )
 
+    def head_positions(self, seq_len: int, cp: int = 1) -> int:
+        """Positions per row the LM head computes logits at (what executed FLOPs count):
+        every one, or with a loss budget the budget per stored block of the row (a cp
+        rank's block under context parallelism: :class:`models.llm.LMHeadLoss`)."""
+        cap, block = self.loss_tokens_per_row, seq_len // cp
+        return seq_len if cap is None or cap >= block else cap * cp
+
     def block_inputs(self, batch: Mapping[str, Any]) -> dict[str, Any]:
         """The batch keys every LLM block reads: :data:`PACKED_KEYS` when packed.
 

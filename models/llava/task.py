@@ -157,7 +157,8 @@ class LlavaTask:
         (:func:`hetjax.runtime.flops.throughput_metrics`): model FLOPs from the model's
         forward FLOPs per part by the rule there (3x trained, 2x + attention frozen with a
         gradient through, 1x forward only); hardware FLOPs count what the kernels compute
-        (the whole causal square, the head over every position it runs at) and the
+        (the whole causal square, the head over every position it runs at: the loss
+        budget's, :meth:`models.mllm.MLLM.head_positions`) and the
         executor's backward recompute (the reference trainer recomputes nothing); MFU
         with the peak of ``parallel.peak_tflops`` or the device table."""
         devices, plan, graph = trainer.devices, trainer.plan, trainer.graph
@@ -168,13 +169,16 @@ class LlavaTask:
         else:
             module_devices = {name: len(pos) for name, pos in plan.positions.items()}
         cfg, batch = self.config, self.run_config.data.global_batch
+        # The head runs at its gathered positions: per cp block of the LLM's layout.
+        cp = 1 if plan is None else next(m.layout.cp for m in graph.modules if m.name == "llm")
+        head = {"head_tokens": batch * self.mllm.head_positions(self.seq_len, cp)}
 
         def metrics(supervised: float, step_time_s: float) -> dict[str, float]:
             sizes = (batch, self.seq_len, int(supervised))
             per = {"images_per_sample": self.mllm.images_per_row}  # image slots run
             attention = cfg.attention_flops(*sizes[:2], **per)
             model = flops_lib.model_flops(graph, cfg.forward_flops(*sizes, **per), attention)
-            executed = cfg.forward_flops(*sizes, executed=True, **per)
+            executed = cfg.forward_flops(*sizes, executed=True, **per, **head)
             attention = cfg.attention_flops(*sizes[:2], executed=True, **per)
             if plan is None:  # the reference trainer recomputes nothing
                 hardware = flops_lib.model_flops(graph, executed, attention)
