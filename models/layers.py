@@ -24,6 +24,7 @@ from hetjax.ops import MoEFFN, attach_aux_loss, load_balance_loss_per_sample
 from hetjax.ops import context as parallel
 from hetjax.ops.attention import attention as attention  # re-exported for the tests
 from hetjax.ops.attention import self_attention
+from hetjax.ops.dense import dense
 from models.config import MoEConfig
 
 Axes = tuple[str | None, ...]
@@ -59,7 +60,7 @@ class Dense(nnx.Module):
         self.dtype = dtype
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = jnp.tensordot(x.astype(self.dtype), self.kernel[...].astype(self.dtype), axes=1)
+        y = dense(x.astype(self.dtype), self.kernel[...])  # weight gradient in float32
         return y if self.bias is None else y + self.bias[...].astype(self.dtype)
 
 

@@ -12,6 +12,7 @@ from hetjax.meshes.sequence import zigzag_permutation as zigzag_permutation
 from hetjax.ops import context as context
 from hetjax.ops.aux_loss import attach_aux_loss as attach_aux_loss
 from hetjax.ops.aux_loss import load_balance_loss_per_sample as load_balance_loss_per_sample
+from hetjax.ops.dense import dense as dense
 from hetjax.ops.embedding import vocab_parallel_lookup as vocab_parallel_lookup
 from hetjax.ops.moe import MoEFFN as MoEFFN
 from hetjax.ops.moe import expert_capacity as expert_capacity
@@ -28,6 +29,7 @@ __all__ = [
     "attach_aux_loss",
     "causal_attention",
     "context",
+    "dense",
     "expert_capacity",
     "inverse_permutation",
     "load_balance_loss_per_sample",

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -85,6 +85,10 @@ class Executor:
         self.graph, self.mode, self.microbatches = plan.graph, plan.mode, plan.microbatches
         self.schedule: hs.Schedule = plan.schedule
         self.ops: tuple[Op, ...] = plan.ops
+        # A stage with one backward per step writes its gradients in it: no accumulator.
+        self._one_backward = {
+            k for k, n in Counter(o.stage for o in self.ops if o.kind == "B").items() if n == 1
+        }
         self.offload_encoders = plan.offload_encoders
         self.mask_key = mask_key
         self.observers = Observers(observers)
@@ -213,8 +217,9 @@ class Executor:
         params = self.state.params
         acc = {}
         for k, p in self.programs.items():
-            if not p.local:
-                acc[k] = p.stand_in("zeros")
+            if k in self._one_backward or not p.local:
+                # One B per step writes the gradients itself (update.accumulate).
+                acc[k] = None if k in self._one_backward else p.stand_in("zeros")
                 continue
             t0 = time.perf_counter()
             acc[k] = p.zeros()

@@ -151,6 +151,8 @@ class StageProgram:
             donate_argnums=(1, 2) if self.keeps_residuals else (1,),
             out_shardings=(self.acc_shardings, None, None),
         )
+        # The accumulator of a stage with several backwards per step (with one, its
+        # backward takes None and writes the gradients itself: update.accumulate).
         self.zeros = program(self.step.zeros, "zeros", out_shardings=self.acc_shardings)
         self.reduce = program(self.step.reduce, "reduce", out_shardings=(self.grad_shardings, None))
         self._init_opt = jax.jit(self._opt_init, out_shardings=self.state_shardings)

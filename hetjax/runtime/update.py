@@ -8,6 +8,11 @@ the trainable parts only; a frozen part's parameters pass through the update unc
 (their norm is still reported, so ``param_norm/<part>`` stays constant). Under ZeRO-1 the
 reduced gradients and optimizer moments are split over dp (x cp): the reduction is then a
 reduce-scatter and the update's output an all-gather.
+
+A stage with one backward per step (one microbatch) has no accumulator: that backward's
+gradient is the step's (:func:`accumulate` with ``acc`` None), so nothing is zero-filled
+and nothing added. With several, :meth:`StageUpdate.zeros` starts a float32 accumulator
+that every backward adds into (donated, so in place).
 """
 
 from __future__ import annotations
@@ -24,6 +29,20 @@ from hetjax.meshes import BATCH_AXES
 from hetjax.runtime.optim import AdamWConfig, make_optimizer
 from hetjax.runtime.placement import zero1_sharding
 from hetjax.runtime.stage_fn import split_parts
+
+
+def accumulate(acc: dict[str, Any] | None, grads: dict[str, Any]) -> dict[str, Any]:
+    """A backward's per-replica parameter gradient added to the float32 accumulator.
+
+    ``acc`` None: the stage runs one backward per step (one microbatch), so its gradient
+    IS the step's: returned as it is, with no zero-filled accumulator and no add (the
+    executor passes None then). The trainable parameters are float32 and their weight
+    matmuls write float32 cotangents (:func:`hetjax.ops.dense`), so the cast below is
+    the identity there; with several microbatches the add takes each matmul's output as
+    it is, no converted copy.
+    """
+    grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+    return grads if acc is None else jax.tree.map(jnp.add, acc, grads)
 
 
 def sqnorms_by_key(tree: dict[str, Any]) -> dict[str, jax.Array]:

@@ -42,6 +42,7 @@ from jax.sharding import PartitionSpec as P
 
 from hetjax.runtime.replicas import MANUAL_AXES_ORDER, PER_RANK, ReplicaMap
 from hetjax.runtime.stage_fn import StageFunction, split_parts
+from hetjax.runtime.update import accumulate
 
 # Checkpoint policy of `selective`: saves dot_generals without batch dimensions (x @ W,
 # the weight matmuls) and recomputes the rest. `checkpoint_dots` would also save the
@@ -147,7 +148,8 @@ class StageVjp:
     def backward(self, params, acc, x, batch, g_out, normalizer):
         """Runs the stage forward from its stashed input under ``jax.vjp`` (``full``: a
         replay; the loss stage in every policy: its only forward) and accumulates the
-        per-replica parameter gradient."""
+        per-replica parameter gradient into ``acc`` (None: the step's one backward of
+        the stage, whose gradient is the step's: :func:`accumulate`)."""
         m = self.map
 
         def replicas(trained, frozen, x, batch, g_out):
@@ -167,7 +169,7 @@ class StageVjp:
         gp, gx, loss = m.cp_map(
             replicas, data, (PER_RANK, m.seq_specs(x_diff), P(MANUAL_AXES_ORDER))
         )(*split_parts(params, self.trainable), *data)
-        return jax.tree.map(jnp.add, acc, gp), gx, jnp.sum(loss)
+        return accumulate(acc, gp), gx, jnp.sum(loss)
 
     def backward_residuals(self, params, acc, res, batch, g_out, normalizer):
         """Applies the forward's residuals to the output cotangent (``none`` /
@@ -191,8 +193,7 @@ class StageVjp:
         gp, gx = m.cp_map(replicas, data, (PER_RANK, PER_RANK))(
             *split_parts(params, self.trainable), *data
         )
-        zero = jnp.zeros((), jnp.float32)
-        return jax.tree.map(jnp.add, acc, gp), gx, zero
+        return accumulate(acc, gp), gx, jnp.zeros((), jnp.float32)
 
     def _stage_vjp(self, trained, frozen, x_r, batch_r, normalizer):
         """``jax.vjp`` of one replica's stage function with respect to the trainable
