@@ -11,27 +11,12 @@ import math
 import numpy as np
 import pytest
 
-import hetjax.config as hc
 from models.config import get_preset
 from models.data import SyntheticConfig, SyntheticLlava
 from models.llava import Loader
 from models.llava import run as llava_run
 from models.llava.rows import Packer, supervised_targets
-
-SEQ_LEN, BATCH, MICROBATCHES = 192, 8, 2
-ROWS = BATCH // MICROBATCHES  # rows per microbatch
-
-
-def _build(paths, **data):
-    d = hc.DataConfig(
-        global_batch=BATCH,
-        sources={paths["train"]: 1.0},
-        image_folder=paths["images"],
-        tokenizer=paths["tokenizer"],
-        workers=2,
-        **data,
-    )
-    return llava_run.build(d, get_preset("tiny"), seq_len=SEQ_LEN, seed=0, microbatches=2)[0]
+from tests.models.test_llava_budget import BATCH, ROWS, SEQ_LEN, _build
 
 
 def _batches(data, steps: int = 3) -> list:
