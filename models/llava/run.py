@@ -121,7 +121,8 @@ def per_row(name: str, budget: int, rows: int) -> int:
     Raises:
         ValueError: it does not split evenly (names the next budget that does).
     """
-    if rows and budget % rows:
+    rows = max(rows, 1)  # fewer rows than microbatches: the trainer's batch check says so
+    if budget % rows:
         up = math.ceil(budget / rows) * rows
         raise ValueError(
             f"{name}={budget} does not split over a microbatch's {rows} rows; use {name}={up}"
