@@ -187,7 +187,7 @@ def test_metadata_holds_the_shapes_and_what_the_caller_gave(saved):
     _, directory = saved
     meta = Checkpointer(directory).metadata()
     assert meta["step"] == SAVED and meta["model"] == {"preset": "tiny"}
-    assert meta["shapes"]["llm/blocks/k/kernel"][0] == get_preset("tiny").llm.depth
+    assert meta["shapes"]["llm/blocks/qkv/kernel"][0] == get_preset("tiny").llm.depth
     json.dumps(meta)
 
 
