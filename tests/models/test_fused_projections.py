@@ -29,7 +29,8 @@ from models.layers import DecoderBlock
 from models.llm import make_llm
 from models.mllm import MLLM
 
-# Widths chosen so every matmul has its own (output size, contracted size) signature.
+# Widths chosen so that a fused projection's (output size, contracted size) signatures
+# differ from every other matmul's and from those of separate q, k, v, gate, up.
 B, L, D, H, G, F = 1, 8, 48, 4, 2, 40
 T, K = B * L, D // H
 QKV, GATE_UP = (H + 2 * G) * K, 2 * F
