@@ -32,7 +32,7 @@ LOGICAL_AXIS_RULES: Mapping[str, MeshAxes] = {
     # Parameters.
     "embed": None,  # model width: replicated
     "heads": "tp",  # flattened q heads * head_dim: column-parallel in, row-parallel out
-    "kv_heads": "tp",  # flattened kv heads * head_dim
+    "kv_heads": "tp",  # kv heads: the fused q/k/v kernel's kv-group dim (whole groups per rank)
     "mlp": "tp",  # MLP hidden: column-parallel up/gate, row-parallel down
     "vocab": "tp",  # vocabulary-parallel embedding table and LM head
     "layers": "pp",  # stacked block axis (full mesh only)
