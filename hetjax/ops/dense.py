@@ -23,11 +23,18 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
-__all__ = ["dense"]
+__all__ = ["DENSE_OUTPUT", "dense"]
 
 
-@jax.custom_vjp
+# The checkpoint name of every dense output. A remat policy sees a custom_vjp as one
+# opaque call, not as the matmul inside (``dots_with_no_batch_dims_saveable`` would
+# recompute it): selective recompute saves this name as well
+# (:data:`hetjax.runtime.vjp.SELECTIVE_POLICY`).
+DENSE_OUTPUT = "hetjax_dense"
+
+
 def dense(x: jax.Array, kernel: jax.Array) -> jax.Array:
     """``x @ kernel`` in ``x``'s dtype, contracting ``x``'s last axis with ``kernel``'s
     first (``kernel`` is ``[d_in, *d_out]``, the output ``[..., *d_out]``).
@@ -37,14 +44,20 @@ def dense(x: jax.Array, kernel: jax.Array) -> jax.Array:
         kernel: weights ``[d_in, *d_out]``, any floating dtype (float32 master weights).
 
     Returns:
-        ``[..., *d_out]`` in ``x``'s dtype. The kernel's cotangent comes out in
-        ``kernel``'s dtype directly from the matmul.
+        ``[..., *d_out]`` in ``x``'s dtype, named :data:`DENSE_OUTPUT` for remat
+        policies. The kernel's cotangent comes out in ``kernel``'s dtype directly from
+        the matmul.
     """
+    return checkpoint_name(_dense(x, kernel), DENSE_OUTPUT)
+
+
+@jax.custom_vjp
+def _dense(x, kernel):
     return jnp.tensordot(x, kernel.astype(x.dtype), axes=1)
 
 
 def _dense_fwd(x, kernel):
-    return dense(x, kernel), (x, kernel)
+    return _dense(x, kernel), (x, kernel)
 
 
 def _dense_bwd(res, g):
@@ -63,4 +76,4 @@ def _dense_bwd(res, g):
     return dx.astype(x.dtype), jnp.moveaxis(dw, -1, 0)
 
 
-dense.defvjp(_dense_fwd, _dense_bwd)
+_dense.defvjp(_dense_fwd, _dense_bwd)

@@ -7,8 +7,9 @@
   and replays nothing. Residuals that ARE parameters (the stacked block weights a scan
   forwards) are not returned: the backward takes them from its own parameter argument,
   so a stash never holds a copy of the weights. ``selective``: the same, with the stage
-  function under ``jax.checkpoint(policy=dots_with_no_batch_dims_saveable)``: it saves
-  the outputs of the weight matmuls (dot_generals without batch dimensions) and
+  function under ``jax.checkpoint(policy=SELECTIVE_POLICY)``: it saves the outputs of
+  the weight matmuls (dot_generals without batch dimensions, and dense layers' outputs
+  by name: :func:`hetjax.ops.dense` is a custom_vjp, opaque to a policy) and
   recomputes the element-wise ops and the attention core (QK^T, softmax, PV, whose
   dot_generals batch over heads), as Megatron's selective recompute does. ``full``: the
   stage keeps only its input and the backward replays the forward (``jax.vjp`` on the
@@ -40,6 +41,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from hetjax.ops.dense import DENSE_OUTPUT
 from hetjax.runtime.replicas import MANUAL_AXES_ORDER, PER_RANK, ReplicaMap
 from hetjax.runtime.stage_fn import StageFunction, split_parts
 from hetjax.runtime.update import accumulate
@@ -47,8 +49,12 @@ from hetjax.runtime.update import accumulate
 # Checkpoint policy of `selective`: saves dot_generals without batch dimensions (x @ W,
 # the weight matmuls) and recomputes the rest. `checkpoint_dots` would also save the
 # attention scores (batched over heads: L^2 per head), which selective recompute is
-# meant to drop.
-SELECTIVE_POLICY = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+# meant to drop. Dense layers' matmuls are custom_vjp calls (hetjax.ops.dense), which a
+# policy does not see into: saved by their name.
+SELECTIVE_POLICY = jax.checkpoint_policies.save_from_both_policies(
+    jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    jax.checkpoint_policies.save_only_these_names(DENSE_OUTPUT),
+)
 
 
 @jax.tree_util.register_dataclass
