@@ -3,6 +3,7 @@ own matmul ceiling, and the GPU options (issue 30).
 
     python -m experiments.gpu_check --json experiments/results/gpu_check_<card>.json
     python -m experiments.gpu_check --smoke            # the same code, tiny, on CPU
+    bash experiments/gpu_check.sh                      # on a lent GPU: the one call
 
 ``experiments/gpu_check.sh`` is the one command a session lent a GPU runs first. Every
 section is one key of the JSON object, written after each section (a run killed at its
@@ -57,16 +58,18 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
 # SGD has no state to alias, so the update's donated buffers go unused: not a problem.
 warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
 
+# Run order: what the goals read first, so a call cut by its budget loses the least
+# (``profile`` reuses ``llava_step``'s trainer, which ``executor_vs_fused`` then drops).
 SECTIONS = (
     "roofline",
-    "attention",
     "llm_blocks",
-    "variants",
+    "attention",
     "llm_loss_stage",
     "vit_stage",
     "llava_step",
     "profile",
     "executor_vs_fused",
+    "variants",
     "reduce_scatter",
 )
 
