@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -67,3 +69,27 @@ def test_residuals_hold_the_kernel_itself_and_selective_saves_the_output():
     _, vjp = jax.vjp(jax.checkpoint(block, policy=SELECTIVE_POLICY), kernel, x)
     # selective recompute keeps the weight matmul's output (it recomputes only the tanh)
     assert any(a.shape == (2, 8, 24) and a.dtype == jnp.bfloat16 for a in jax.tree.leaves(vjp))
+
+
+def test_a_frozen_kernel_gets_no_weight_gradient_matmul():
+    """Frozen parameters are constants of a stage's vjp (hetjax.runtime.vjp): the
+    custom backward still forms the kernel's cotangent, and XLA must drop it, also in a
+    scan over stacked layers."""
+    x, kernel, g = operands((16, 16), jnp.bfloat16)
+    kernels = jnp.stack([kernel] * 3)
+
+    def blocks(kernels, x):
+        return jax.lax.scan(lambda h, k: (jnp.tanh(dense(h, k)), None), x, kernels)[0]
+
+    def trained(kernels, x, g):
+        return jax.vjp(blocks, kernels, x)[1](g)
+
+    def frozen(kernels, x, g):
+        return jax.vjp(lambda x: blocks(kernels, x), x)[1](g)
+
+    def dots(f):  # in the compiled program (a loop body's once)
+        text = jax.jit(f).lower(kernels, x, g.reshape(2, 8, 16)).compile().as_text()
+        return len(re.findall(r"\sdot\(", text))
+
+    # forward, dx and dW in the loop bodies; frozen: no dW
+    assert (dots(trained), dots(frozen)) == (3, 2)
