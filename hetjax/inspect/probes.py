@@ -239,4 +239,16 @@ class AsyncTimer:
             ends.append((devices, end))
         flat = [s for row in spans for s in row]
         window = max(e for _, e in flat) - min(s for s, _ in flat)
-        return [1.0 - sum(e - s for s, e in row) / window for row in spans]
+        return [1.0 - _covered(row) / window for row in spans]
+
+
+def _covered(spans: list[tuple[float, float]]) -> float:
+    """The time the union of ``(start, end)`` spans covers. A watcher thread that a busy
+    host wakes late records an op's end after the next op of its stage started; summing
+    the spans would then count that overlap twice (a negative bubble)."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total

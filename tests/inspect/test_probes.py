@@ -79,3 +79,13 @@ def test_nothing_timed_is_an_error_not_an_empty_unpack():
     timer.start(lambda key: 0, 1)
     with pytest.raises(RuntimeError, match="no fwd/bwd call"):
         timer.bubble({})
+
+
+def test_overlapping_spans_of_one_stage_count_once():
+    """A watcher woken late ends an op after its stage's next op began: the busy time is
+    the union of the spans, so the bubble stays within [0, 1]."""
+    from hetjax.inspect.probes import _covered
+
+    assert _covered([(0.0, 2.0), (1.0, 3.0), (5.0, 6.0)]) == 4.0
+    assert _covered([(1.0, 3.0), (0.0, 4.0)]) == 4.0
+    assert _covered([]) == 0.0
