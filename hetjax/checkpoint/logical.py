@@ -11,7 +11,13 @@ sharding inside), assembled from the stages' device buffers with
 ``jax.make_array_from_single_device_arrays``; restoring reads each device's slice
 straight into that layout (orbax restores to target shardings, each process reading only
 what its devices hold) and hands every stage its buffers the same way. Leaves that live
-on one stage (``pre``, ``post``, further parts) keep that stage's sharding. Optimizer
+on one stage (``pre``, ``post``, further parts) keep that stage's sharding.
+
+Each leaf is saved in the dtype it is held in: a frozen part's matrices in the compute
+dtype (:func:`hetjax.runtime.state.stored_params`), everything else float32. A restore
+reads each leaf into the dtype its trainer holds it in (orbax casts), so a checkpoint
+with bf16 frozen parts resumes a float32 run (those weights exactly as the bf16 run used
+them) and the other way round (the same rounding the compute cast gives). Optimizer
 leaves that are not parameter-shaped (step counters, equal on every stage) travel as
 host scalars and are placed on every stage.
 """
@@ -132,6 +138,15 @@ def _trained(ex: Any, per_stage: Mapping[StageKey, Any]) -> dict[StageKey, Any]:
     return {
         k: ex.programs[k].trainable_of(v) for k, v in per_stage.items() if ex.programs[k].trainable
     }
+
+
+def trained_parts(trainer: Any) -> list[str]:
+    """The part names ``trainer`` trains (an executor's or a reference trainer's), sorted:
+    what its optimizer state covers."""
+    programs = getattr(trainer, "programs", None)
+    if programs is None:
+        return sorted(trainer.trainable_keys)
+    return sorted({n for p in programs.values() for n in p.trainable})
 
 
 def _merged_opt(ex: Any, params: Mapping[StageKey, Any], opt: Mapping, scalar) -> Any:

@@ -136,6 +136,7 @@ class Checkpointer:
         meta = {
             "step": int(step),
             "shapes": shapes(state["params"]),
+            "trained": lg.trained_parts(trainer),
             **({"owned": sorted(owned)} if owned else {}),
             **json.loads(json.dumps(dict(metadata or {}), default=str)),
         }
@@ -174,6 +175,7 @@ class Checkpointer:
         executor = _is_executor(trainer)
         targets = lg.executor_targets(trainer) if executor else lg.reference_targets(trainer)
         _check_shapes(meta.get("shapes", {}), shapes(targets["params"]), self.path(step))
+        _check_trained(meta.get("trained"), lg.trained_parts(trainer), self.path(step))
         owned = set(meta.get("owned", ()))
         state = self._read(
             step,
@@ -191,6 +193,7 @@ class Checkpointer:
         """Only the parameters of checkpoint ``step`` (default: the latest), read into the
         shardings of ``like`` (a tree of ``jax.ShapeDtypeStruct`` with ``sharding``, in
         the single-device layout); no trainer and no optimizer state are needed (export).
+        Each leaf comes in ``like``'s dtype (a frozen part saved in bf16 reads as float32).
         """
         step = self._step(step)
         meta = self.metadata(step)
@@ -202,7 +205,7 @@ class Checkpointer:
             lambda a: (
                 ocp.RestoreArgs(restore_type=np.ndarray)
                 if a is _PLACEHOLDER
-                else ocp.ArrayRestoreArgs(sharding=a.sharding)
+                else ocp.ArrayRestoreArgs(sharding=a.sharding, dtype=a.dtype)
             ),
             like,
         )
@@ -341,6 +344,20 @@ def _check_shapes(saved: Mapping[str, list], wanted: Mapping[str, list], where: 
                 f"checkpoint {where} is of another model: parameter {name} has shape "
                 f"{tuple(a)} there but {tuple(b)} here; {fix}"
             )
+
+
+def _check_trained(saved: list[str] | None, wanted: list[str], where: Path) -> None:
+    """The optimizer state covers the trained parts only, so a checkpoint restores into a
+    trainer that trains the same parts. (Which dtype a frozen part is held in does not
+    matter: the restore casts each leaf to the trainer's.)"""
+    if saved is None or saved == wanted:  # older checkpoints name none
+        return
+    raise CheckpointError(
+        f"checkpoint {where} trained {', '.join(saved)} but this run trains "
+        f"{', '.join(wanted)}, so its optimizer state does not fit; resume with the same "
+        "frozen parts (model.frozen), or export its parameters (experiments.export) and "
+        "start a new run from them (model.init_from)"
+    )
 
 
 def save(directory: str | os.PathLike, trainer: Any, step: int, **kwargs: Any) -> None:

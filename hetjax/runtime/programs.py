@@ -36,7 +36,7 @@ from hetjax.runtime.optim import AdamWConfig
 from hetjax.runtime.placement import owns_any, put_global, stand_in
 from hetjax.runtime.replicas import ReplicaMap, cp_local
 from hetjax.runtime.stage_fn import StageFunction, split_parts
-from hetjax.runtime.state import slice_stage
+from hetjax.runtime.state import as_stored, slice_stage, stored_params
 from hetjax.runtime.update import StageUpdate
 from hetjax.runtime.vjp import StageVjp
 
@@ -50,6 +50,8 @@ class ParallelOptions:
     zero1: bool = False  # shard optimizer moments (and reduced gradients) over dp
     sequence_parallel: bool = False  # residual stream sharded on sequence over tp
     skip_nonfinite: bool = False  # a step whose global gradient norm is NaN/inf: no update
+    frozen_dtype: str | None = None  # the compute dtype: frozen parts' matrices are held in
+    # it, with no float32 master (hetjax.runtime.state.stored_params); None: float32
 
 
 class StageProgram:
@@ -116,8 +118,11 @@ class StageProgram:
         # the stage on other processes' devices), its programs are never compiled or
         # called here: stand-ins (:meth:`stand_in`) take the place of their outputs.
         self.local = owns_any(self.devices)
-        self._abstract = jax.eval_shape(
-            self.slice_params, {p.name: p.abstract_params() for p in spec.parts}
+        self._abstract = stored_params(
+            jax.eval_shape(self.slice_params, {p.name: p.abstract_params() for p in spec.parts}),
+            self.axes,
+            spec.frozen,
+            options.frozen_dtype,
         )
         self.step = StageUpdate(
             optimizer,
@@ -219,5 +224,11 @@ class StageProgram:
         )
 
     def place_params(self, full: dict[str, Any]) -> dict[str, Any]:
-        """This stage's part of ``full`` placed on its mesh."""
-        return jax.tree.map(put_global, self.slice_params(full), self.param_shardings)
+        """This stage's part of ``full`` placed on its mesh, each leaf in the dtype it is
+        held in (frozen matrices cast shard by shard: no float32 copy on the devices)."""
+        return jax.tree.map(
+            lambda v, a, s: put_global(as_stored(v, a), s),
+            self.slice_params(full),
+            self._abstract,
+            self.param_shardings,
+        )

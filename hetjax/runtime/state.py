@@ -8,6 +8,10 @@ returns it (:attr:`Executor.state`) and can be given one (``Executor(..., state=
 :func:`slice_stage` cuts a module's full parameter tree into one stage's part;
 :func:`full_params` is its inverse, gathering every stage back into the single-device
 layout (the form checkpoints and the reference trainer use).
+
+:func:`stored_params` says how a stage holds its parameters: trained parts as float32
+masters, frozen parts' matrices in the compute dtype (a frozen part has no gradient and
+no optimizer state, so a float32 master would only ever be cast before use).
 """
 
 from __future__ import annotations
@@ -17,9 +21,11 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from hetjax.runtime.graph import ModuleSpec, TrainGraph
+from hetjax.runtime.optim import decay_mask
 
 StageKey = tuple[str, int]  # (module name, pipeline stage index)
 
@@ -116,3 +122,60 @@ def full_params(graph: TrainGraph, params: Mapping[StageKey, Any]) -> dict[str, 
     """Every stage's parameters gathered into the single-device layout (host numpy)."""
     host = {key: jax.device_get(tree) for key, tree in params.items()}
     return merge_stages(graph, host, lambda _, xs: np.concatenate(xs))
+
+
+# Matrices that the models read in float32 whatever the compute dtype: an MoE router's
+# logits (hetjax.ops.moe routes in float32). They stay float32 when frozen.
+FLOAT32_READS = ("router",)
+
+
+def stored_params(
+    abstract: dict[str, Any], axes: dict[str, Any], frozen: Any, dtype: Any | None
+) -> dict[str, Any]:
+    """A stage's parameters as it holds them: ``abstract`` (``ShapeDtypeStruct`` s of a
+    stage-shaped tree) with the matrices of the ``frozen`` parts in ``dtype``.
+
+    A frozen part's matrices (two or more non-``layers`` logical axes, the leaves weight
+    decay selects: kernels, embedding tables, position tables) are read only through a
+    cast to the compute dtype (``Dense``, the embedding lookup, the encoders' tables), so
+    holding that cast instead of a float32 master gives a bit-identical forward and
+    backward at half the bytes (bfloat16). Vectors (norm scales, biases) are read in
+    float32 by the norms and are a negligible share: they stay float32, as do the
+    :data:`FLOAT32_READS` matrices. ``dtype`` None (or float32): nothing changes.
+    """
+    if dtype is None or jnp.dtype(dtype) == jnp.float32:
+        return abstract
+    dtype = jnp.dtype(dtype)
+    matrices = decay_mask(axes)
+
+    def store(path, a, matrix):
+        name = jax.tree_util.keystr(path)
+        cast = matrix and a.dtype == jnp.float32 and not any(n in name for n in FLOAT32_READS)
+        return jax.ShapeDtypeStruct(a.shape, dtype) if cast else a
+
+    return {
+        part: jax.tree.map_with_path(store, tree, matrices[part]) if part in frozen else tree
+        for part, tree in abstract.items()
+    }
+
+
+class Cast:
+    """A host array-like read in ``dtype``: what :func:`~hetjax.runtime.placement.put_global`
+    places for a leaf held in another dtype than its value's. Slices are read and cast
+    one shard at a time, so a lazy leaf (``models.hf.LazyTensor``) stays lazy."""
+
+    def __init__(self, value: Any, dtype: Any):
+        self.value, self.dtype, self.shape = value, jnp.dtype(dtype), tuple(value.shape)
+
+    def __getitem__(self, idx: Any) -> np.ndarray:
+        # numpy's bfloat16 (ml_dtypes) rounds to nearest even, as XLA's convert does.
+        return np.asarray(self.value[idx]).astype(self.dtype)
+
+
+def as_stored(value: Any, like: Any) -> Any:
+    """``value`` to place as the leaf ``like`` (its dtype): as it is, or :class:`Cast`."""
+    if jnp.dtype(value.dtype) == like.dtype:
+        return value
+    if isinstance(value, jax.Array):
+        value = np.asarray(value)  # one host copy; each shard then casts its slice
+    return Cast(value, like.dtype)

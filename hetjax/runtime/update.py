@@ -47,7 +47,11 @@ def accumulate(acc: dict[str, Any] | None, grads: dict[str, Any]) -> dict[str, A
 
 def sqnorms_by_key(tree: dict[str, Any]) -> dict[str, jax.Array]:
     """The squared norm of each entry of ``tree`` (e.g. per part)."""
-    return {k: sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(v)) for k, v in tree.items()}
+    # In float32: a frozen part's bfloat16 matrices (state.stored_params) as well.
+    return {
+        k: sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(v))
+        for k, v in tree.items()
+    }
 
 
 class StageUpdate:

@@ -207,6 +207,7 @@ class Trainer:
                 zero1=p.zero1,
                 sequence_parallel=p.sequence_parallel,
                 skip_nonfinite=self.config.skip_nonfinite_steps > 0,
+                frozen_dtype=self.config.model.dtype,
             ),
             observers=observers,
         )
