@@ -5,8 +5,9 @@ send/recv of an activation or gradient on an `Edge`). Generators build the sched
 hetjax runs: `gpipe`, `one_f_one_b` (Megatron 1F1B), `graph_one_f_one_b` (the paper's
 graph-aware 1F1B over a `ModuleGraph`, non-colocated), `three_phase` (colocated) and
 `fused_encoders` (the homogeneous baseline).
-`check_schedule` proves a schedule complete, causal, within its memory bound and free of
-deadlock; `simulate` times it and draws a Gantt chart.
+`without_modules` takes modules with nothing to do in a step (no image in its batch) out
+of a schedule. `check_schedule` proves a schedule complete, causal, within its memory
+bound and free of deadlock; `simulate` times it and draws a Gantt chart.
 
 Example:
     >>> from hetjax import schedules as hs
@@ -16,6 +17,7 @@ Example:
     33.0
 """
 
+from .absent import without_modules as without_modules
 from .actions import Action as Action
 from .actions import ActionKind as ActionKind
 from .actions import Edge as Edge
@@ -72,4 +74,5 @@ __all__ = [
     "three_phase",
     "three_phase_for_graph",
     "warmup_counts",
+    "without_modules",
 ]
