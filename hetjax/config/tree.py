@@ -89,6 +89,9 @@ class DataConfig:
         "supervised tokens the LM head computes per microbatch, split evenly over its rows "
         "(None: derived from the data)",
     )
+    max_samples_per_row: int | None = doc(
+        None, "samples one packed row holds at most (None: derived from the data)"
+    )
     pack: bool = doc(False, "pack several samples into each seq_len row")
     balance: bool = doc(False, "order each step's rows so dp ranks get even tokens and images")
     skip_bad_samples: bool = doc(False, "skip and count bad records instead of stopping")
@@ -238,6 +241,7 @@ _RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "data.sources": (lambda v: all(w > 0 for w in v.values()), "positive mixture weights"),
     "data.max_images_per_microbatch": (lambda v: v >= 1, "a positive integer"),
     "data.max_loss_tokens_per_microbatch": (lambda v: v >= 1, "a positive integer"),
+    "data.max_samples_per_row": (lambda v: v >= 1, "a positive integer"),
     "data.workers": (lambda v: v >= 1, "a positive integer"),
     "data.prefetch": (lambda v: v >= 1, "a positive integer"),
     "parallel.microbatches": (lambda v: v >= 1, "a positive integer"),
@@ -326,6 +330,8 @@ def _check_data(d: DataConfig) -> None:
     """LLaVA settings come with LLaVA files, and the files with a tokenizer."""
     if d.sources and d.tokenizer is None:
         raise InvalidConfigError("data.sources needs data.tokenizer (a tokenizer.json)")
+    if d.max_samples_per_row is not None and not d.pack:
+        raise InvalidConfigError("data.max_samples_per_row bounds packed rows; give data.pack")
     if not d.sources:
         names = ("tokenizer", "image_folder", "pack", "max_images_per_microbatch")
         given = [f for f in names if getattr(d, f) not in (None, False)]

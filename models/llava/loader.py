@@ -57,6 +57,7 @@ class LoaderConfig:
     placeholder: int  # the model's image placeholder id
     images_per_row: int  # static image slots per row; unused slots are zero images
     loss_tokens_per_row: int | None = None  # the loss head's supervised targets per row
+    samples_per_row: int | None = None  # packed: the most samples a row holds
     template: Template = "vicuna_v1"
     pack: bool = False  # several samples per row
     balance: bool = False  # rows to microbatch x dp bins by load
@@ -111,6 +112,7 @@ class LlavaData:
 
     image_budget = ""  # where config.images_per_row came from (models.llava.run.build)
     loss_budget = ""  # where config.loss_tokens_per_row came from
+    samples_budget = ""  # where config.samples_per_row came from
 
     def __init__(
         self,
@@ -324,6 +326,7 @@ class Loader:
             c.images_per_row,
             pack=c.pack,
             loss_tokens=c.loss_tokens_per_row,
+            samples=c.samples_per_row,
         )
         while not packer.full:
             pos, sample = stream.peek()

@@ -28,11 +28,20 @@ def supervised_targets(supervised: np.ndarray) -> int:
     return int(np.count_nonzero(supervised[1:]))
 
 
+def attention_segments(samples_per_row: int) -> int:
+    """The runs of equal segment ids a row of at most ``samples_per_row`` samples has: one
+    per sample, and the trailing padding's (segment id 0) where the row is not full. The
+    bound the fused attention's packed layout is built for
+    (:func:`hetjax.ops.fused_attention.packed_segments`)."""
+    return samples_per_row + 1
+
+
 class Packer:
     """First-fit rows: ``add(sample)`` places it or returns ``False`` (it fits no row).
 
     ``loss_tokens``: a row's most supervised targets (the loss head's per-row budget,
-    ``None``: unbounded); a packed row takes a sample only while they fit too."""
+    ``None``: unbounded); ``samples``: a row's most samples (``None``: unbounded). A packed
+    row takes a sample only while these fit too."""
 
     def __init__(
         self,
@@ -42,11 +51,13 @@ class Packer:
         *,
         pack: bool,
         loss_tokens: int | None = None,
+        samples: int | None = None,
     ):
         self.num_rows, self.capacity, self.slots, self.pack = num_rows, capacity, slots, pack
         self.loss_tokens = capacity if loss_tokens is None else loss_tokens
+        self.samples = capacity if samples is None else samples  # capacity: no sample is empty
         self.rows: list[list] = []
-        self.used: list[list[int]] = []  # [tokens, images, supervised targets] per row
+        self.used: list[list[int]] = []  # [tokens, images, supervised targets, samples] per row
         self.pending: list[tuple[int, int, object]] = []  # set by arrays()
 
     @property
@@ -70,10 +81,11 @@ class Packer:
             target = next(
                 (
                     r
-                    for r, (t, i, n) in enumerate(self.used)
+                    for r, (t, i, n, k) in enumerate(self.used)
                     if t + tokens <= self.capacity
                     and i + images <= self.slots
                     and n + supervised <= self.loss_tokens
+                    and k < self.samples
                 ),
                 None,
             )
@@ -81,9 +93,9 @@ class Packer:
             if len(self.rows) == self.num_rows:
                 return None
             self.rows.append([])
-            self.used.append([0, 0, 0])
+            self.used.append([0, 0, 0, 0])
             target = len(self.rows) - 1
-        for k, n in enumerate((tokens, images, supervised)):
+        for k, n in enumerate((tokens, images, supervised, 1)):
             self.used[target][k] += n
         return target
 
@@ -137,21 +149,28 @@ def packed_images(samples: Iterable[tuple[int, int]], num_rows: int, capacity: i
     Counts the rows of the steps that filled; the last, unfinished step counts only when
     no step filled (its later rows would still take samples)."""
     rows = packed_rows(((n, k, 0) for n, k in samples), num_rows, capacity, capacity)
-    return [i for _, i, _ in rows]
+    return [r[1] for r in rows]
 
 
 def packed_rows(
-    samples: Iterable[tuple[int, int, int]], num_rows: int, capacity: int, slots: int
+    samples: Iterable[tuple[int, int, int]],
+    num_rows: int,
+    capacity: int,
+    slots: int,
+    *,
+    loss_tokens: int | None = None,
 ) -> list[list[int]]:
-    """``[tokens, images, supervised targets]`` per row when ``(tokens, images,
-    supervised)`` samples pack as the loader packs them with ``slots`` image slots and no
-    loss budget (the rows :func:`packed_images` counts)."""
+    """``[tokens, images, supervised targets, samples]`` per row when ``(tokens, images,
+    supervised)`` samples pack as the loader packs them with ``slots`` image slots, the
+    loss budget ``loss_tokens`` (``None``: none) and no limit on a row's samples (the rows
+    :func:`packed_images` counts)."""
     done: list[list[int]] = []
-    packer = Packer(num_rows, capacity, slots, pack=True)
+    new = lambda: Packer(num_rows, capacity, slots, pack=True, loss_tokens=loss_tokens)
+    packer = new()
     for sample in samples:
         if packer.place(*sample) is None:
             done += packer.used
-            packer = Packer(num_rows, capacity, slots, pack=True)
+            packer = new()
             packer.place(*sample)
     return done or packer.used
 

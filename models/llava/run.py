@@ -2,8 +2,8 @@
 
 :func:`build` loads the tokenizer, fits the model's image placeholder to it, checks every
 record file (the validation pass, before any parameter exists) and fixes the rows' image
-slots; :class:`DataStream` hands the training loop one batch per step with its metrics and
-the position a checkpoint stores.
+slots, loss budget and (packed) samples per row; :class:`DataStream` hands the training
+loop one batch per step with its metrics and the position a checkpoint stores.
 """
 
 from __future__ import annotations
@@ -107,6 +107,13 @@ def build(
         loss, source = derived_loss_tokens(out, measured or first_samples(out))
     out.config = dataclasses.replace(out.config, loss_tokens_per_row=loss)
     out.loss_budget = budget_line(loss, rows, source)
+    if data.pack:
+        if data.max_samples_per_row is not None:
+            samples, source = data.max_samples_per_row, "--max-samples-per-row"
+        else:
+            samples, source = derived_samples(out, measured or first_samples(out))
+        out.config = dataclasses.replace(out.config, samples_per_row=samples)
+        out.samples_budget = samples_line(samples, source)
     return out, model
 
 
@@ -260,6 +267,39 @@ def derived_loss_tokens(data: LlavaData, measured: Measured) -> tuple[int, str]:
         f"supervise at most {most} tokens a row, rounded up to {LOSS_ROUND}s, at most "
         f"seq_len; a record with more is skipped; --max-loss-tokens-per-microbatch sets it"
     )
+
+
+def derived_samples(data: LlavaData, measured: Measured) -> tuple[int, str]:
+    """The samples a packed row holds at most, from the data, and a line saying how: the
+    most one row holds when the measured records pack as the loader packs them (the run's
+    image slots and loss budget, no limit on samples). A later row reaching it closes to
+    further samples (they start other rows), so the bound holds for every row; each
+    sample it allows costs the fused attention's statistics one ``[heads, L]`` float32
+    per row, so it is not rounded up."""
+    c = data.config
+    n, samples = measured.records, measured.samples
+    if not samples:
+        return 1, (
+            f"one sample a row: none of the first {n} records loads to derive more from; "
+            "--max-samples-per-row sets it"
+        )
+    rows = rows_lib.packed_rows(
+        samples, c.global_batch, c.seq_len + 1, c.images_per_row, loss_tokens=c.loss_tokens_per_row
+    )
+    most = max(r[3] for r in rows)
+    mean = np.mean([r[3] for r in rows])
+    return most, (
+        f"derived from the data: the {len(rows)} packed rows of the first {n} records "
+        f"({n - len(samples)} skipped) hold at most {most} samples (mean {mean:.1f}); a row "
+        "closes at it; --max-samples-per-row sets it"
+    )
+
+
+def samples_line(samples: int, source: str) -> str:
+    """What the run summary says of the samples per packed row: the bound, the attention
+    segments it makes (:func:`models.llava.rows.attention_segments`) and its source."""
+    segments = rows_lib.attention_segments(samples)
+    return f"{samples} per row ({segments} attention segments with the padding): {source}"
 
 
 class DataStream:
