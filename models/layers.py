@@ -218,6 +218,8 @@ class DecoderBlock(nnx.Module):
     Packed rows (several samples per row) pass ``segment_ids`` and ``positions`` ``[B, L]``
     (stored like the tokens): attention stays within a segment and RoPE uses the
     positions within each sample, so every sample computes what it would alone.
+    ``max_segments`` bounds the runs of equal segment ids in any row (the data guarantees
+    it): bf16 attention on a GPU then takes cuDNN's packed layout instead of a bias.
     """
 
     def __init__(
@@ -232,6 +234,7 @@ class DecoderBlock(nnx.Module):
         rngs: nnx.Rngs,
         dtype: Any,
         moe: MoEConfig | None = None,
+        max_segments: int | None = None,
     ):
         if heads % kv_heads:
             raise ValueError(
@@ -240,6 +243,7 @@ class DecoderBlock(nnx.Module):
             )
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, width // heads
         self.rope_theta = rope_theta
+        self.max_segments = max_segments
         kd, group = self.head_dim, heads // kv_heads
         self.attn_norm = RMSNorm(width, eps=eps, dtype=dtype)
         # One matmul for q, k and v, laid out per kv group [G, R + 2, K]: the group's R
@@ -289,7 +293,15 @@ class DecoderBlock(nnx.Module):
         v = tp(qkv_BxLxGxRxK[:, :, :, group + 1], 2)
         q = apply_rope(q, positions, self.rope_theta)
         k = apply_rope(k, positions, self.rope_theta)
-        a = self_attention(q, k, v, causal=True, positions=positions, segment_ids=segment_ids)
+        a = self_attention(
+            q,
+            k,
+            v,
+            causal=True,
+            positions=positions,
+            segment_ids=segment_ids,
+            max_segments=self.max_segments,
+        )
         a = tp(a.reshape(b, l, self.heads * kd), 2)
         x_BxLxD = x_BxLxD + parallel.exit_tensor_parallel(self.o(a))
         h = parallel.enter_tensor_parallel(self.mlp_norm(x_BxLxD))

@@ -161,9 +161,11 @@ def make_llm(
     name: str = "llm",
     *,
     loss_capacity: int | None = None,
+    max_segments: int | None = None,
 ) -> StagedModule:
     """The decoder; ``placeholders`` maps modality name (``"image"``) to its token id;
-    ``loss_capacity``: supervised tokens per row the head computes (:class:`LMHeadLoss`)."""
+    ``loss_capacity``: supervised tokens per row the head computes (:class:`LMHeadLoss`);
+    ``max_segments``: a bound on packed rows' segments (:class:`models.layers.DecoderBlock`)."""
     return StagedModule(
         name,
         pre=lambda rngs: TokenEmbed(cfg, placeholders, rngs=rngs, dtype=dtype),
@@ -177,6 +179,7 @@ def make_llm(
             rngs=rngs,
             dtype=dtype,
             moe=cfg.moe,
+            max_segments=max_segments,
         ),
         post=lambda rngs: LMHeadLoss(cfg, rngs=rngs, dtype=dtype, capacity=loss_capacity),
         num_layers=cfg.depth,

@@ -53,6 +53,12 @@ class MLLM:
             logits at that many positions per row instead of all ``L``
             (:class:`models.llm.LMHeadLoss`). ``None``: every position. Parameters do not
             depend on it; :meth:`check_loss_budget` checks a batch against it.
+        max_segments: packed: the most runs of equal segment ids any row has (its
+            samples and its trailing padding, :func:`models.llava.rows.attention_segments`;
+            a bound the data guarantees). With it, bf16 attention on a GPU runs cuDNN's
+            packed layout (each sample causal on its own, no bias); without, the packed
+            mask is an additive bias over the whole square. Parameters and the float32
+            maths do not depend on it; :meth:`check_segments` checks a batch against it.
     """
 
     def __init__(
@@ -63,13 +69,17 @@ class MLLM:
         *,
         packed: bool = False,
         loss_tokens_per_row: int | None = None,
+        max_segments: int | None = None,
     ):
         if config.shape_only:
             raise ValueError(f"preset {config.name!r} is shape-only (planning); not runnable")
+        if max_segments is not None and not packed:
+            raise ValueError("MLLM: max_segments bounds packed rows; pass packed=True")
         self.config = config
         self.images_per_row = images_per_row
         self.packed = packed
         self.loss_tokens_per_row = loss_tokens_per_row
+        self.max_segments = max_segments
         self.modules: dict[str, StagedModule] = {}
         placeholders = {}
         for modality, (enc_name, proj_name, _) in MODALITIES.items():
@@ -88,7 +98,11 @@ class MLLM:
             )
             placeholders[modality] = self.placeholder(modality)
         self.modules["llm"] = make_llm(
-            config.llm, placeholders, dtype, loss_capacity=loss_tokens_per_row
+            config.llm,
+            placeholders,
+            dtype,
+            loss_capacity=loss_tokens_per_row,
+            max_segments=max_segments,
         )
 
     def placeholder(self, modality: str) -> int:
@@ -145,6 +159,27 @@ class MLLM:
                 f"row {row} of the batch has {counts[row]} supervised tokens but the LM head "
                 f"computes {cap} per row; raise data.max_loss_tokens_per_microbatch to at "
                 f"least {counts[row]} x the rows of a microbatch"
+            )
+
+    def check_segments(self, batch: Mapping[str, Any]) -> None:
+        """Host-side: no packed row of ``batch`` has more runs of equal segment ids than
+        the attention is built for (``max_segments``). The fused kernel would merge a
+        row's last runs into one, its samples attending across each other, silently.
+
+        Raises:
+            ValueError: one line naming the row, its count and the setting that fits.
+        """
+        if self.max_segments is None:
+            return
+        seg_BxL = np.asarray(batch["segment_ids"])
+        runs = 1 + np.count_nonzero(seg_BxL[:, 1:] != seg_BxL[:, :-1], axis=1)
+        row = int(np.argmax(runs))
+        if runs[row] > self.max_segments:
+            raise ValueError(
+                f"row {row} of the batch has {runs[row]} segments (samples, and the trailing "
+                f"padding) but the attention takes {self.max_segments} "
+                f"(data.max_samples_per_row={self.max_segments - 1}, and the padding); raise "
+                f"data.max_samples_per_row to at least {runs[row] - 1}"
             )
 
     def head_positions(self, seq_len: int, cp: int = 1) -> int:

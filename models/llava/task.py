@@ -54,8 +54,9 @@ class LlavaTask:
                 preset, llm=dataclasses.replace(preset.llm, vocab=m.vocab_size)
             )
         self.seq_len = config.model.seq_len or preset.seq_len
-        images_per_row = 1
+        images_per_row, max_segments = 1, None
         from models.llava import run as llava_run
+        from models.llava.rows import attention_segments
 
         if config.data.sources:
             self.dataset, preset = llava_run.build(
@@ -69,6 +70,9 @@ class LlavaTask:
             images_per_row = self.dataset.config.images_per_row
             loss_tokens = self.dataset.config.loss_tokens_per_row
             self.loss_budget = self.dataset.loss_budget
+            samples = self.dataset.config.samples_per_row
+            if samples is not None:  # packed rows: their segments bound the attention's
+                max_segments = attention_segments(samples)
         else:
             data = SyntheticConfig.for_model(preset, seq_len=self.seq_len, seed=config.seed)
             self.dataset = SyntheticLlava(data)
@@ -77,14 +81,16 @@ class LlavaTask:
             loss_tokens, source = llava_run.synthetic_loss_tokens(budget, data, rows)
             self.loss_budget = llava_run.budget_line(loss_tokens, rows, source)
         dtype = jnp.bfloat16 if config.model.dtype == "bfloat16" else jnp.float32
-        # Packed rows (several samples each) attend within their samples only; the LM
-        # head computes logits at a row's (bounded) supervised positions only.
+        # Packed rows (several samples each, at most max_segments runs of segment ids)
+        # attend within their samples only; the LM head computes logits at a row's
+        # (bounded) supervised positions only.
         self.mllm = MLLM(
             preset,
             dtype=dtype,
             images_per_row=images_per_row,
             packed=config.data.pack,
             loss_tokens_per_row=loss_tokens,
+            max_segments=max_segments,
         )
         self.config: MLLMConfig = preset
 
@@ -140,10 +146,13 @@ class LlavaTask:
         return f"{self.config.name}: {sum(counts.values()):,} params ({params})"
 
     def summary(self) -> dict[str, Any]:
-        """The image budget (LLaVA files) and the loss budget, and where they came from
-        (flag or data)."""
+        """The image budget (LLaVA files), the loss budget and the samples per packed row,
+        and where they came from (flag or data)."""
         images = {"image slots": self.dataset.image_budget} if self.run_config.data.sources else {}
-        return {**images, "loss tokens": self.loss_budget}
+        out = {**images, "loss tokens": self.loss_budget}
+        if self.mllm.max_segments is not None:
+            out["samples per row"] = self.dataset.samples_budget
+        return out
 
     def metadata(self) -> dict[str, Any]:
         return {
@@ -232,6 +241,7 @@ class LlavaBatches:
     def batch(self, step: int) -> dict[str, Any]:
         batch = self.stream.batch(step)  # a bad record: models.llava.BadSample (a ValueError)
         self.task.mllm.check_loss_budget(batch)
+        self.task.mllm.check_segments(batch)
         return batch
 
     def step_metrics(self, step: int) -> dict[str, float]:
