@@ -8,6 +8,7 @@ gives the plain path's loss and gradients on the loader's packed rows."""
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +20,7 @@ from hetjax.ops import fused_attention, ring_kernels
 from models.config import get_preset
 from models.llava import run as llava_run
 from models.llava.rows import Packer, attention_segments
+from models.llava.task import LlavaBatches, LlavaTask
 from models.mllm import MLLM
 from tests.models.test_llava_budget import BATCH, SEQ_LEN, _build
 from tests.models.test_loss_budget import _batches
@@ -122,6 +124,30 @@ def test_a_batch_over_the_bound_is_one_line(derived):
         rf"^row {row} of the batch has {runs[row]} segments",
         rf"raise data.max_samples_per_row to at least {runs[row] - 1}$",
     )
+
+
+def test_the_task_builds_its_model_with_the_bound_and_checks_every_batch(llava_dir, derived):
+    data, batches = derived
+    cfg = hc.TrainConfig(
+        model=hc.ModelConfig(seq_len=SEQ_LEN),
+        data=hc.DataConfig(
+            global_batch=BATCH,
+            sources={llava_dir["train"]: 1.0},
+            image_folder=llava_dir["images"],
+            tokenizer=llava_dir["tokenizer"],
+            pack=True,
+            max_samples_per_row=3,
+        ),
+    )
+    task = LlavaTask(cfg)
+    assert task.mllm.max_segments == 4
+    assert task.summary()["samples per row"].startswith("3 per row (4 attention segments")
+    source = LlavaBatches(task)
+    source.stream = SimpleNamespace(batch=lambda step: batches[step])  # rows of the default
+    over = [i for i, b in enumerate(batches) if _runs(b["segment_ids"]).max() > 4]
+    assert over  # the default's rows hold more samples than 3
+    with pytest.raises(ValueError, match="raise data.max_samples_per_row to at least"):
+        source.batch(over[0])
 
 
 # -- the model side ---------------------------------------------------------------------
