@@ -10,6 +10,12 @@ devices run concurrently while the Python loop moves on.
 Transfers between stages and modules (the ``SEND_F`` / ``SEND_B`` ops) are
 :mod:`hetjax.runtime.sends`'s.
 
+A step whose batch gives an encoder nothing to do (no image) runs the schedule without it
+(:func:`~hetjax.runtime.feed.absent_modules`): no F or B of it, nothing across its
+boundary, ``skipped/<module>`` 1 in the metrics. Its update still runs, on a zero
+gradient: the single-device step's (nothing reads the encoder's output), and AdamW moves
+parameters on a zero gradient too (decayed moments, weight decay).
+
 The step ends in :mod:`hetjax.runtime.reduce`. The state between steps is one pytree,
 :class:`~hetjax.runtime.state.TrainState`; observers (:mod:`hetjax.runtime.observers`)
 see compiles, dispatches and transfers.
@@ -30,9 +36,9 @@ import optax
 
 from hetjax import schedules as hs
 from hetjax.distributed.rendezvous import FirstCalls
-from hetjax.runtime.feed import Feed
+from hetjax.runtime.feed import Feed, absent_modules, skippable_modules
 from hetjax.runtime.inflight import InFlight
-from hetjax.runtime.lowering import Op, StageKey
+from hetjax.runtime.lowering import Op, StageKey, drop_frozen, lower
 from hetjax.runtime.observers import Dispatch, Observers, Stash
 from hetjax.runtime.optim import AdamWConfig
 from hetjax.runtime.plan import RunPlan
@@ -85,6 +91,8 @@ class Executor:
         self.graph, self.mode, self.microbatches = plan.graph, plan.mode, plan.microbatches
         self.schedule: hs.Schedule = plan.schedule
         self.ops: tuple[Op, ...] = plan.ops
+        self.skippable = skippable_modules(self.graph)  # encoders a batch may leave out
+        self._step_ops: dict[frozenset[str], tuple[Op, ...]] = {frozenset(): plan.ops}
         # A stage with one backward per step writes its gradients in it: no accumulator.
         self._one_backward = {
             k for k, n in Counter(o.stage for o in self.ops if o.kind == "B").items() if n == 1
@@ -207,6 +215,10 @@ class Executor:
             raise ValueError("the executor has no state: give params=, state= or restore one")
         self.validate_batch(next(iter(batch.values())).shape[0])
         normalizer = jnp.float32(max(float(np.sum(batch[self.mask_key])), 1.0))
+        # Processes would have to agree (one may hold only its rows): they run every module.
+        absent = frozenset()
+        if not self.multiprocess:
+            absent = absent_modules(batch, self.graph, self.skippable)
         feed = Feed(
             batch,
             self.microbatches,
@@ -217,8 +229,9 @@ class Executor:
         params = self.state.params
         acc = {}
         for k, p in self.programs.items():
-            if k in self._one_backward or not p.local:
-                # One B per step writes the gradients itself (update.accumulate).
+            if (k in self._one_backward and k[0] not in absent) or not p.local:
+                # One B per step writes the gradients itself (update.accumulate); a
+                # module left out has none: its gradient is the zeros.
                 acc[k] = None if k in self._one_backward else p.stand_in("zeros")
                 continue
             t0 = time.perf_counter()
@@ -232,7 +245,7 @@ class Executor:
         data: dict[tuple[StageKey, int], Any] = {}
         losses = []
         phase = 0
-        for op in self.ops:
+        for op in self.ops_without(absent):
             if op.phase != phase:
                 phase = op.phase
                 if self.offload_encoders:
@@ -286,7 +299,20 @@ class Executor:
                 self._inflight.hold(devices, grads_in[(src, m)], collective)
         if self.offload_encoders and phase == 1:  # no encoder backward ran (all frozen)
             self._move_encoders("device")
-        return self._finish(acc, losses, normalizer)
+        values, (keys, on_host) = self._finish(acc, losses, normalizer).tree_flatten()
+        skipped = {f"skipped/{n}": float(n in absent) for n in self.skippable}
+        return StepMetrics({**dict(zip(keys, values, strict=True)), **skipped}, on_host=on_host)
+
+    def ops_without(self, absent: frozenset[str]) -> tuple[Op, ...]:
+        """The step's ops with the modules ``absent`` left out (their schedule checked on
+        first use)."""
+        if absent not in self._step_ops:
+            sched = hs.without_modules(self.schedule, absent)
+            hs.check_schedule(sched)
+            # The baseline's encoders interleave with the LLM's first stage; none left: plain.
+            fused = self.mode == "homogeneous" and any(e.is_boundary for e in sched.edges)
+            self._step_ops[absent] = drop_frozen(lower(sched, fused=fused), self.graph)
+        return self._step_ops[absent]
 
     def _run(self, op: Op, prog: StageProgram, kind: str, args: tuple, profile: bool) -> Any:
         """Dispatches one F/B program call (waits for it when profiling); on a process

@@ -8,11 +8,13 @@ only this process's shards are built. :func:`local_rows` says, from the same sha
 which global rows those shards cover, so a data loader can read only those. For links
 into a ``cp > 1`` module that merges tokens into placeholders it computes, once per
 step, which tokens each cp rank receives (:mod:`hetjax.ops.token_routing`).
+:func:`absent_modules` says which encoders a batch gives nothing to do (no image), so the
+step leaves them out (:func:`hetjax.schedules.without_modules`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -20,6 +22,7 @@ from jax.sharding import NamedSharding
 
 from hetjax.meshes import batch_sharding, zigzag_permutation
 from hetjax.ops.token_routing import exchange_routes, token_routes
+from hetjax.runtime.graph import Link, TrainGraph
 from hetjax.runtime.placement import put_global
 from hetjax.runtime.programs import StageProgram
 from hetjax.runtime.transfer import LinkTransfer, Route
@@ -149,3 +152,46 @@ def local_rows(
             for m in range(microbatches):
                 rows[k].update((m * size + held).tolist())
     return {k: np.asarray(sorted(v), np.int64) for k, v in rows.items()}
+
+
+def _slot(graph: TrainGraph, link: Link) -> tuple[str, int] | None:
+    """(batch key, placeholder id) whose positions ``link``'s tokens replace, if any."""
+    slots = graph.module(link.dst).token_slots
+    return next(((key, pid) for name, key, pid in slots if name == link.name), None)
+
+
+def skippable_modules(graph: TrainGraph) -> tuple[str, ...]:
+    """The modules a step can leave out when its batch has none of their placeholders:
+    sources (nothing feeds them), not the sink, whose every output replaces placeholder
+    tokens of its consumer (``ModuleSpec.token_slots``), and with no auxiliary loss (an
+    MoE encoder's balancing loss would still give it a gradient on padding images, which
+    the single-device reference computes)."""
+
+    def moe(part) -> bool:
+        paths = jax.tree.leaves_with_path(part.abstract_params())
+        return any("router" in jax.tree_util.keystr(k) for k, _ in paths)
+
+    return tuple(
+        spec.name
+        for spec in graph.modules
+        if spec.name != graph.sink
+        and not graph.links_into(spec.name)
+        and graph.links_from(spec.name)
+        and all(_slot(graph, l) for l in graph.links_from(spec.name))
+        and not any(moe(part) for part in spec.parts)
+    )
+
+
+def absent_modules(
+    batch: Mapping[str, np.ndarray], graph: TrainGraph, candidates: Collection[str]
+) -> frozenset[str]:
+    """Those of ``candidates`` (:func:`skippable_modules`) that ``batch`` gives nothing to
+    do: no placeholder of any of their links occurs in it (a batch with no image leaves
+    the vision encoder out). Nothing reads their output, so its gradient is exactly zero
+    and leaving them out changes no value."""
+
+    def unused(link: Link) -> bool:
+        key, pid = _slot(graph, link)
+        return not np.any(np.asarray(batch[key]) == pid)
+
+    return frozenset(n for n in candidates if all(unused(l) for l in graph.links_from(n)))

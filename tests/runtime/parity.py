@@ -88,6 +88,7 @@ class Reference:
     batches: list  # host batches, one per step
     metrics: list  # host metrics per step
     after_one: dict  # host parameters after exactly one step
+    after: list  # host parameters after each step
 
 
 @functools.cache
@@ -111,12 +112,11 @@ def reference_run(model: MLLM, batches: list, frozen: frozenset[str] = frozenset
         devices=jax.devices()[:1],
         frozen=frozen,
     )
-    metrics, after_one = [], None
-    for s, batch in enumerate(batches):
+    metrics, after = [], []
+    for batch in batches:
         metrics.append(jax.device_get(trainer.step(batch)))
-        if s == 0:
-            after_one = jax.device_get(trainer.params)  # before step 2 donates them
-    return Reference(model, params, batches, metrics, after_one)
+        after.append(jax.device_get(trainer.params))  # before the next step donates them
+    return Reference(model, params, batches, metrics, after[0], after)
 
 
 def compared_keys(metrics: dict) -> list[str]:
