@@ -9,6 +9,10 @@ Presets:
     llava-1.5-7b, llava-1.5-13b - LLaVA-1.5: CLIP ViT-L/14-336 (576 image tokens, the
         layers up to ``vision_feature_layer=-2``) + Vicuna-7B / 13B, exact GELU projector.
     llava-1.5-tiny - the same architecture, depth- and width-reduced to run on a CPU.
+    qwen2.5-vl-3b, qwen2.5-vl-7b - Qwen2.5-VL (Hugging Face's config values): a 32-layer
+        dynamic-resolution vision tower with window attention (:mod:`models.qwen`) + Qwen2.5
+        3B (its tied LM head untied) / 7B with 3D rotary positions.
+    qwen2.5-vl-tiny - the same architecture, depth- and width-reduced to run on a CPU.
 Shape-only presets at the paper's scale (``vit-1b`` ... ``llm-120b``) carry parameter
 counts and FLOPs per token for planning; they are never instantiated on CPU.
 """
@@ -17,6 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Literal
+
+from models.qwen.config import QwenVisionConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,7 +200,7 @@ class MLLMConfig:
 
     name: str
     llm: LLMConfig
-    vision: EncoderConfig | None = None
+    vision: EncoderConfig | QwenVisionConfig | None = None
     audio: EncoderConfig | None = None
     seq_len: int = 64  # default training sequence length
     shape_only: bool = False  # paper-scale preset: counts only, never instantiated
@@ -344,6 +350,62 @@ PRESETS: dict[str, MLLMConfig] = {
 }
 
 
+def _qwen(
+    name: str, llm: LLMConfig, vision: QwenVisionConfig, seq_len: int, image_token_id: int
+) -> MLLMConfig:
+    return MLLMConfig(
+        name,
+        llm=llm,
+        vision=dataclasses.replace(vision, out_width=llm.width),
+        seq_len=seq_len,
+        image_token_id=image_token_id,
+    )
+
+
+_QWEN_VIT = QwenVisionConfig()  # the same tower in every Qwen2.5-VL size
+_QWEN = dict(rope_theta=1000000.0, norm_eps=1e-6)
+PRESETS.update(
+    {
+        "qwen2.5-vl-3b": _qwen(
+            "qwen2.5-vl-3b",
+            LLMConfig(vocab=151936, width=2048, depth=36, heads=16, kv_heads=2, mlp=11008, **_QWEN),
+            _QWEN_VIT,
+            4096,
+            151655,
+        ),
+        "qwen2.5-vl-7b": _qwen(
+            "qwen2.5-vl-7b",
+            LLMConfig(vocab=152064, width=3584, depth=28, heads=28, kv_heads=4, mlp=18944, **_QWEN),
+            _QWEN_VIT,
+            4096,
+            151655,
+        ),
+        # Windows of 2x2 merged units (56 px), full attention every 2nd layer; mRoPE over
+        # 16-dim heads; video/vision-start/end ids after the byte tokenizer's specials.
+        "qwen2.5-vl-tiny": _qwen(
+            "qwen2.5-vl-tiny",
+            LLMConfig(
+                vocab=TOKENIZER_VOCAB, width=128, depth=4, heads=8, kv_heads=4, mlp=256, **_QWEN
+            ),
+            QwenVisionConfig(
+                width=32,
+                depth=4,
+                heads=4,
+                mlp=64,
+                window=56,
+                full_attention=(1, 3),
+                mrope_section=(2, 3, 3),
+                video_token_id=261,
+                vision_start_token_id=262,
+                vision_end_token_id=263,
+            ),
+            128,
+            259,  # the byte tokenizer's image placeholder
+        ),
+    }
+)
+
+
 def _paper_vit(name: str, width: int, depth: int, heads: int, mlp: int) -> EncoderConfig:
     # 448px images with 14px patches: 1024 tokens per image, as in the paper's ViT family.
     return EncoderConfig(
@@ -403,6 +465,8 @@ def config_from_dict(d: dict) -> MLLMConfig:
         return None if x is None else MoEConfig(**x)
 
     def encoder(x):
+        if x is not None and x.get("kind") == "qwen2_5_vl":
+            return QwenVisionConfig(**x)
         return None if x is None else EncoderConfig(**{**x, "moe": moe(x.get("moe"))})
 
     llm = LLMConfig(**{**d["llm"], "moe": moe(d["llm"].get("moe"))})

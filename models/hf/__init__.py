@@ -1,4 +1,5 @@
-"""Hugging Face weights in and out: LLaVA (CLIP or SigLIP + Llama) and its parts.
+"""Hugging Face weights in and out: LLaVA (CLIP or SigLIP + Llama) and its parts, and
+Qwen2.5-VL (:mod:`~models.hf.qwen`: ``load``, ``save`` and ``logits`` take it too).
 
     >>> model, params = hf.load("llava-1.5-7b-hf")            # LlavaForConditionalGeneration
     >>> dirs = {"vision": "clip-vit-large-patch14-336", "llm": "vicuna-7b-v1.5"}
@@ -15,7 +16,9 @@ By concern:
 - :mod:`~models.hf.lazy` - :class:`LazyTensor`, parameters that read only their slices;
 - :mod:`~models.hf.reading` - :func:`load`, :func:`read_llava`, :func:`read_parts`;
 - :mod:`~models.hf.writing` - :func:`save`;
-- :mod:`~models.hf.inference` - :func:`logits` on one device, to compare with HF.
+- :mod:`~models.hf.inference` - :func:`logits` on one device, to compare with HF;
+- :mod:`~models.hf.qwen_config`, :mod:`~models.hf.qwen`, :mod:`~models.hf.qwen_inference` -
+  the same for ``Qwen2_5_VLForConditionalGeneration``.
 """
 
 from .configs import llava_config as llava_config

@@ -23,7 +23,7 @@ from models.mllm import MLLM
 
 from .configs import llava_config_of
 from .errors import HFError
-from .files import Files, Tensors, component
+from .files import Files, Tensors, component, read_config
 from .lazy import LazyTensor
 from .rules import hf_shapes, read_leaf, rules_for
 
@@ -115,8 +115,13 @@ class LoadReport:
 def load(
     path: str | os.PathLike, *, lazy: bool = False, dtype: Any = jnp.float32
 ) -> tuple[MLLM, dict[str, Any]]:
-    """A LLaVA checkpoint directory -> ``(model, params)``; the model config comes from
-    its ``config.json``. ``lazy=True``: :class:`LazyTensor` leaves (read on placement)."""
+    """A LLaVA (or Qwen2.5-VL: a :class:`models.qwen.QwenVL`) checkpoint directory ->
+    ``(model, params)``; the model config comes from its ``config.json``. ``lazy=True``:
+    :class:`LazyTensor` leaves (read on placement)."""
+    if read_config(pathlib.Path(path)).get("model_type") == "qwen2_5_vl":
+        from .qwen import load_qwen
+
+        return load_qwen(pathlib.Path(path), lazy=lazy, dtype=dtype)
     model = MLLM(llava_config_of(path), dtype=dtype)
     params, _ = read_llava(model, path, lazy=lazy)
     return model, params

@@ -15,8 +15,10 @@ from typing import Any
 import numpy as np
 
 from models.mllm import MLLM
+from models.qwen.config import QwenVisionConfig
 
 from .configs import hf_config
+from .qwen import save_qwen
 from .rules import rules_for, to_hf
 
 _SAVE_PREFIX = {
@@ -28,10 +30,13 @@ _SAVE_PREFIX = {
 
 def save(model: MLLM, params: Mapping[str, Any], path: str | os.PathLike) -> pathlib.Path:
     """Writes ``params`` (single-device layout, host or device arrays) as a Hugging Face
-    ``LlavaForConditionalGeneration`` directory: ``config.json`` + ``model.safetensors``."""
+    ``LlavaForConditionalGeneration`` directory: ``config.json`` + ``model.safetensors``
+    (a :class:`models.qwen.QwenVL`: ``Qwen2_5_VLForConditionalGeneration``)."""
     from safetensors.numpy import save_file
 
     path = pathlib.Path(path)
+    if isinstance(model.config.vision, QwenVisionConfig):
+        return save_qwen(model, params, path)
     config = hf_config(model.config)
     channels = model.config.vision.channels
     tensors: dict[str, np.ndarray] = {}
