@@ -171,6 +171,33 @@ def test_bf16_packed_llm_lowers_to_the_packed_kernel_without_bias(fake_gpu, boun
         assert sorted(calls) == [(FWD, 7, "PADDING_CAUSAL", 4), (BWD, 10, "PADDING_CAUSAL", 4)]
 
 
+@pytest.mark.xfail(
+    strict=True,
+    raises=TypeError,
+    reason="jax's cuDNN batching rule reshapes the packed layout's [B, M] segment lengths "
+    "to [B]: the packed call needs its own vmap rule (fold the mapped axis into the batch)",
+)
+def test_bf16_packed_llm_lowers_under_the_executors_replica_vmap(fake_gpu):
+    """The executor maps every stage program over its data-parallel replicas
+    (``jax.vmap``, :mod:`hetjax.runtime.replicas`), one replica included: the packed
+    kernel must lower there too, forward and backward."""
+    cfg = get_preset("tiny")
+    model = MLLM(cfg, dtype=jnp.bfloat16, packed=True, max_segments=4)
+    llm = model.modules["llm"]
+    blocks = model.init(jax.random.key(0))["llm"]["blocks"]
+    seg, pos = (jnp.asarray(x)[None] for x in packed_rows([[20, 30, 10], [64]], cfg.seq_len))
+    h = jnp.ones((1, 2, cfg.seq_len, cfg.llm.width), jnp.bfloat16)
+
+    def replica(blocks, h, seg, pos):
+        stage = lambda b, h: llm.apply_blocks(b, h, segment_ids=seg, positions=pos)
+        loss = lambda b, h: jnp.sum(stage(b, h).astype(jnp.float32))
+        return jax.grad(loss, argnums=(0, 1))(blocks, h)
+
+    program = jax.jit(jax.vmap(replica, in_axes=(None, 0, 0, 0)))
+    text = program.trace(blocks, h, seg, pos).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count(f"custom_call @{FWD}(") == 1 and text.count(f"custom_call @{BWD}(") == 1
+
+
 @pytest.fixture
 def xla_twin(monkeypatch):
     """Float32 packed rows through the fused path's call, in its XLA twin (the kernel's
