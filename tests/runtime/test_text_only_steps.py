@@ -66,17 +66,26 @@ class Calls(hetjax.Observer):
 
 
 CASES = {
-    # One microbatch: each stage's one backward writes its gradients (no accumulator).
-    "colocated-three_phase": dict(
+    # One microbatch: each stage's one backward writes its gradients (no accumulator);
+    # the encoder's state parked in host memory during the LLM phase.
+    "colocated-three_phase-offload": dict(
         mode="colocated",
         layouts={"vision": "dp=8", "llm": "dp=4,pp=2"},
         freeze=(),
         microbatches=1,
+        offload_encoders=True,
     ),
     "noncolocated-graph_1f1b-frozen": dict(
         mode="non-colocated",
         layouts={"vision": "dp=4", "llm": "dp=2,pp=2"},
         freeze=("vision",),
+        microbatches=2,
+    ),
+    # The baseline: the encoder inherits the LLM's layout on its first stage's devices.
+    "homogeneous-fused_1f1b": dict(
+        mode="homogeneous",
+        layouts={"vision": "dp=4", "llm": "dp=4,pp=2"},
+        freeze=(),
         microbatches=2,
     ),
 }
@@ -96,6 +105,7 @@ def test_text_only_step_leaves_the_encoder_out_and_matches_one_device(name):
         mode=c["mode"],
         islands=islands if c["mode"] == "non-colocated" else None,
         microbatches=c["microbatches"],
+        offload_encoders=c.get("offload_encoders", False),
     )
     calls = Calls()
     ex = hetjax.Executor(
@@ -113,6 +123,8 @@ def test_text_only_step_leaves_the_encoder_out_and_matches_one_device(name):
             [m[key] for m in got], [m[key] for m in ref_metrics], rtol=1e-5, atol=0, err_msg=key
         )
     assert [m["skipped/vision"] for m in got] == [0.0, 1.0, 0.0]
+    if ex.offload_encoders:  # parked in every step's LLM phase, back for the update
+        assert [kind for _, kind in ex.memory_log].count("pinned_host") == 3
     # AdamW moves the encoder's trained parameters on a zero gradient (momentum, decay).
     before, after = ref_after[TEXT_ONLY - 1]["projector"], ref_after[TEXT_ONLY]["projector"]
     assert not any(jax.tree.leaves(jax.tree.map(np.array_equal, before, after)))
