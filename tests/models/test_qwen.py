@@ -6,12 +6,14 @@ preset (14 px patches, windows of 2x2 merged units, full attention every 2nd lay
 
 from __future__ import annotations
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.config import get_preset
+from models.config import config_from_dict, config_to_dict, get_preset
 from models.qwen import QwenVL, hf_batch
 from models.qwen.grids import pack_row, patch_layout
 
@@ -137,3 +139,19 @@ def test_bad_inputs_are_one_line():
         hf_batch(CFG, ok, pixels, image_grid_thw=grid, patches_per_row=8)
     with pytest.raises(ValueError, match="no Qwen2.5-VL vision tower"):
         QwenVL(get_preset("llava-1.5-tiny"))
+
+
+@pytest.mark.parametrize(
+    "preset, total",
+    [
+        ("qwen2.5-vl-7b", 8_292_166_656),  # Qwen2.5-VL-7B-Instruct's parameter count
+        ("qwen2.5-vl-3b", 3_754_622_976 + 151936 * 2048),  # 3B's, its tied head untied
+    ],
+)
+def test_presets_have_the_released_parameter_counts(preset, total):
+    cfg = get_preset(preset)
+    counts = QwenVL(cfg).num_params()  # abstract shapes only
+    assert sum(counts.values()) == total
+    assert counts["vision"] == cfg.vision.num_params()
+    assert counts["projector"] == cfg.vision.merger_params()
+    assert config_from_dict(json.loads(json.dumps(config_to_dict(cfg)))) == cfg  # metadata
