@@ -4,9 +4,10 @@ The fixture in ``golden/qwen2_5_vl`` (a tiny random-weight
 ``Qwen2_5_VLForConditionalGeneration`` in bfloat16, the names transformers 5 saves, and
 its float32 logits on images of different sizes, several per sample, a video and right
 padding) comes from ``golden/make_qwen_golden.py``; CI needs neither torch nor
-transformers. That the export loads in transformers with no missing or unexpected keys
-and the same logits was checked with the script's environment (see the report of
-issue 32); here the export's names and shapes are checked against the golden file's.
+transformers. That transformers loads the export with no missing or unexpected keys and
+the golden logits is checked in that environment by ``make_qwen_golden.py --check DIR``
+on ``hf.save``'s output; here the export's names, shapes and values are the golden
+file's.
 """
 
 from __future__ import annotations

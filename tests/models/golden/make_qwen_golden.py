@@ -6,6 +6,10 @@ Run once in a scratch environment, from the project root:
     python3 -m venv /tmp/hfenv && /tmp/hfenv/bin/pip install torch transformers safetensors numpy
     /tmp/hfenv/bin/python tests/models/golden/make_qwen_golden.py
 
+``--check DIR`` instead loads a directory that ``models.hf.save`` wrote (from the
+golden's weights) and checks that transformers finds no missing or unexpected keys and
+computes the golden logits.
+
 It writes ``tests/models/golden/qwen2_5_vl/``: a tiny random-weight
 ``Qwen2_5_VLForConditionalGeneration`` in HF format (``config.json``, bfloat16
 ``model.safetensors``, as the released checkpoints store them) and ``golden.npz`` with the
@@ -16,6 +20,7 @@ right padding) and transformers' float32 logits.
 from __future__ import annotations
 
 import pathlib
+import sys
 
 import numpy as np
 import torch
@@ -105,7 +110,33 @@ def inputs(rng: np.random.Generator) -> dict[str, np.ndarray]:
     }
 
 
+def hf_logits(model, x: dict[str, np.ndarray]) -> torch.Tensor:
+    ids = torch.tensor(x["input_ids"])
+    types = (ids == IMAGE).int() + 2 * (ids == VIDEO).int()  # what the processor returns
+    names = ("attention_mask", "pixel_values", "image_grid_thw", "pixel_values_videos",
+             "video_grid_thw", "second_per_grid_ts")  # fmt: skip
+    with torch.no_grad():
+        out = model(
+            input_ids=ids, mm_token_type_ids=types, **{k: torch.tensor(x[k]) for k in names}
+        )
+    return out.logits.float()
+
+
+def check(path: str) -> None:
+    model, info = Qwen2_5_VLForConditionalGeneration.from_pretrained(
+        path, dtype=torch.float32, output_loading_info=True
+    )
+    problems = {k: v for k, v in info.items() if v}
+    assert not problems, problems
+    g = dict(np.load(HERE / "qwen2_5_vl" / "golden.npz"))
+    diff = np.abs(hf_logits(model.eval(), g).numpy() - g["logits"]).max()
+    print(f"{path}: no missing or unexpected keys; max |logits - golden| = {diff:.3g}")
+    assert diff <= 1e-5
+
+
 def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] == "--check":
+        return check(sys.argv[2])
     torch.manual_seed(0)
     rng = np.random.default_rng(0)
     out = HERE / "qwen2_5_vl"
@@ -115,22 +146,14 @@ def main() -> None:
             p.normal_(0.0, 0.2)
             p.copy_(p.bfloat16().float())  # stored as bfloat16, exactly
     model.bfloat16().save_pretrained(out, safe_serialization=True)
+    (out / "generation_config.json").unlink(missing_ok=True)  # not read
     # Reloaded in float32 as a user would: .bfloat16() also rounded the rotary buffers.
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(out, dtype=torch.float32).eval()
     x = inputs(rng)
+    logits = hf_logits(model, x)
     ids = torch.tensor(x["input_ids"])
-    types = (ids == IMAGE).int() + 2 * (ids == VIDEO).int()  # what the processor returns
+    types = (ids == IMAGE).int() + 2 * (ids == VIDEO).int()
     with torch.no_grad():
-        logits = model(
-            input_ids=ids,
-            attention_mask=torch.tensor(x["attention_mask"]),
-            pixel_values=torch.tensor(x["pixel_values"]),
-            image_grid_thw=torch.tensor(x["image_grid_thw"]),
-            pixel_values_videos=torch.tensor(x["pixel_values_videos"]),
-            video_grid_thw=torch.tensor(x["video_grid_thw"]),
-            second_per_grid_ts=torch.tensor(x["second_per_grid_ts"]),
-            mm_token_type_ids=types,
-        ).logits.float()
         positions, _ = model.model.get_rope_index(
             ids,
             mm_token_type_ids=types,
