@@ -36,6 +36,17 @@ MODALITIES = {
 PACKED_KEYS = ("segment_ids", "positions")
 
 
+def check_trainable(config: MLLMConfig) -> MLLMConfig:
+    """``config``, if :class:`MLLM` (and so the trainer) can build it; a one-line error
+    for a family that is inference-only so far (Qwen2.5-VL: :mod:`models.qwen`)."""
+    if config.vision is not None and config.vision.kind == "qwen2_5_vl":
+        raise ValueError(
+            f"preset {config.name!r} (Qwen2.5-VL) is not trainable yet: models.hf.load, "
+            "save and logits take it; train a LLaVA preset (tiny, small, llava-1.5-7b, ...)"
+        )
+    return config
+
+
 class MLLM:
     """An LLaVA-style model built from a :class:`models.config.MLLMConfig`.
 
@@ -73,6 +84,7 @@ class MLLM:
     ):
         if config.shape_only:
             raise ValueError(f"preset {config.name!r} is shape-only (planning); not runnable")
+        check_trainable(config)
         if max_segments is not None and not packed:
             raise ValueError("MLLM: max_segments bounds packed rows; pass packed=True")
         self.config = config

@@ -24,7 +24,7 @@ from hetjax.runtime import flops as flops_lib
 from hetjax.runtime.graph import TrainGraph
 from models.config import MLLMConfig, config_to_dict, get_preset
 from models.data import SyntheticConfig, SyntheticLlava
-from models.mllm import MLLM
+from models.mllm import MLLM, check_trainable
 
 
 class LlavaTask:
@@ -264,8 +264,8 @@ def model_config(m: Any) -> MLLMConfig:
     if m.init_from:
         from models import hf
 
-        return hf.llava_config_of(m.init_from)
-    preset = get_preset(m.preset)
+        return check_trainable(hf.llava_config_of(m.init_from))
+    preset = check_trainable(get_preset(m.preset))
     if m.init:
         from models import hf
 

@@ -54,3 +54,11 @@ def test_a_fresh_llm_takes_the_tokenizers_size_or_the_given_one(llava_dir, big_t
 def test_vocab_size_is_refused_for_a_pretrained_llm():
     with pytest.raises(hc.InvalidConfigError, match="model.vocab_size=512 is for a fresh LLM"):
         hc.TrainConfig(model=hc.ModelConfig(init={"llm": "/x"}, vocab_size=512))
+
+
+def test_an_inference_only_preset_is_one_line():
+    """A Qwen2.5-VL preset loads, saves and runs logits (models.hf) but does not train
+    yet: the task refuses it in one line instead of failing deep in the data set-up."""
+    config = hc.TrainConfig(steps=1, model=hc.ModelConfig(preset="qwen2.5-vl-tiny"))
+    with pytest.raises(ValueError, match=r"^preset 'qwen2.5-vl-tiny' \(Qwen2.5-VL\) is not "):
+        LlavaTask(config)
