@@ -6,8 +6,9 @@ A small bf16 LLM (odd widths, so a gradient's shape is no activation's) trains o
 - one microbatch: no accumulator program runs, and the backward has no add of a
   gradient-sized array: it writes the step's gradients directly;
 - two: the accumulator is zero-filled once per step and every backward adds into it in
-  float32; the weight-gradient matmuls write float32 themselves (no bf16 result converted
-  before the add: ``hetjax.ops.dense``);
+  float32, in place (donated: its buffers are the outputs'); the weight-gradient matmuls
+  write float32 themselves (no bf16 result converted before the add:
+  ``hetjax.ops.dense``);
 - both train (the loss falls on a repeated batch).
 
 What is not asserted, because it stays: ``lax.scan`` zero-initialises the stacked
@@ -132,18 +133,20 @@ def test_accumulator_only_with_several_microbatches(run):
     grads = gradient_shapes(bwd)
     assert {a.dtype for a in jax.tree.leaves(bwd.out_info[0])} == {jnp.dtype(jnp.float32)}
     adds = {shape: dtype for dtype, shape in hlo_ops(bwd.as_text(), "add") if shape in grads}
+    # outputs written into a donated input's buffer: the accumulator, updated in place
+    aliased = bwd.as_text().splitlines()[0].count("may-alias")
     if ex.microbatches == 1:
         # The backward's gradients are the step's: no accumulator made, none added to.
         assert (STAGE, "zeros") not in rec.calls and (STAGE, "zeros") not in rec.compiles
-        assert adds == {}, adds
+        assert adds == {} and aliased == 0, adds
     else:
         assert rec.calls[(STAGE, "zeros")] == STEPS
         assert rec.calls[(STAGE, "bwd")] == STEPS * ex.microbatches
-        # Every gradient is added into its accumulator, in float32; the embedding
-        # table's add XLA folds into its scatter-add (into the accumulator, not zeros).
-        scattered = {shape for dtype, shape in hlo_ops(bwd.as_text(), "scatter") if dtype == "f32"}
+        # Every gradient is added into its accumulator, in float32 (the embedding
+        # table's add XLA may fold into its scatter-add: into the accumulator, not zeros).
         assert set(adds.values()) == {"f32"}, adds
-        assert grads - set(adds) == grads & scattered == {(1, TOKENIZER_VOCAB, 48)}, adds
+        assert grads - set(adds) <= {(1, TOKENIZER_VOCAB, 48)}, adds
+        assert aliased == len(jax.tree.leaves(bwd.out_info[0]))
 
 
 def test_weight_gradient_matmuls_write_float32(run):
