@@ -355,7 +355,7 @@ def _check_trained(saved: list[str] | None, wanted: list[str], where: Path) -> N
     raise CheckpointError(
         f"checkpoint {where} trained {', '.join(saved)} but this run trains "
         f"{', '.join(wanted)}, so its optimizer state does not fit; resume with the same "
-        "frozen parts (model.frozen), or export its parameters (experiments.export) and "
+        "frozen parts (model.freeze), or export its parameters (experiments.export) and "
         "start a new run from them (model.init_from)"
     )
 

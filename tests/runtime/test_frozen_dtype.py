@@ -187,4 +187,4 @@ def test_checkpoint_with_other_trained_parts_is_refused_in_one_line(runs, tmp_pa
     message = str(err.value)
     assert len(message.splitlines()) == 1
     assert "trained llm, projector but this run trains projector," in message
-    assert "model.frozen" in message
+    assert "model.freeze" in message
