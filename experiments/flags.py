@@ -84,6 +84,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--max-images-per-microbatch", "data.max_images_per_microbatch", positive_int),
     Flag("--max-loss-tokens-per-microbatch", "data.max_loss_tokens_per_microbatch", positive_int),
     Flag("--max-samples-per-row", "data.max_samples_per_row", positive_int),
+    Flag("--max-patches-per-microbatch", "data.max_patches_per_microbatch", positive_int),
     Flag("--pack", "data.pack"),
     Flag("--balance", "data.balance"),
     Flag("--skip-bad-samples", "data.skip_bad_samples"),

@@ -14,7 +14,8 @@ writes files.
 
 This file is only what is the command line's own: flags (:mod:`experiments.flags`),
 joining the job, the devices, ``--layout auto``. The run itself is the library's
-:class:`hetjax.train.Trainer` over the LLaVA model (:mod:`models.llava.task`).
+:class:`hetjax.train.Trainer` over the LLaVA model (:mod:`models.llava.task`), or a
+Qwen2.5-VL preset's (:mod:`models.qwen.task`).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ def main(config: TrainConfig) -> int:
     from hetjax.runtime import NonFiniteError
     from models.llava.records import BadSample
     from models.llava.task import LlavaBatches, LlavaTask
+    from models.qwen.task import QwenBatches, QwenTask, is_qwen
 
     if multi:
         job.check_consistent(config, devices)
@@ -55,9 +57,10 @@ def main(config: TrainConfig) -> int:
         train.check_outputs(config.logging, lead=jax.process_index() == 0)
     # The settings agree, so a bad one fails alike on every process (a normal exit).
     with errors_as_flags():
-        task = LlavaTask(config)
+        Task, Batches = (QwenTask, QwenBatches) if is_qwen(config) else (LlavaTask, LlavaBatches)
+        task = Task(config)
         ests, layouts = _auto_layouts(config, task, devices) if _auto(config) else ([], None)
-        trainer = train.Trainer(config, task, LlavaBatches(task), devices=devices, layouts=layouts)
+        trainer = train.Trainer(config, task, Batches(task), devices=devices, layouts=layouts)
     if ests and trainer.lead:
         est = ests[layouts.index(trainer.choice)]
         print(

@@ -37,12 +37,14 @@ PACKED_KEYS = ("segment_ids", "positions")
 
 
 def check_trainable(config: MLLMConfig) -> MLLMConfig:
-    """``config``, if :class:`MLLM` (and so the trainer) can build it; a one-line error
-    for a family that is inference-only so far (Qwen2.5-VL: :mod:`models.qwen`)."""
+    """``config``, if :class:`MLLM` (and so LLaVA's task) can build it; a one-line error
+    for Qwen2.5-VL (:mod:`models.qwen`: the trainer takes its presets through
+    :class:`models.qwen.task.QwenTask`, not yet its Hugging Face directories)."""
     if config.vision is not None and config.vision.kind == "qwen2_5_vl":
         raise ValueError(
-            f"preset {config.name!r} (Qwen2.5-VL) is not trainable yet: models.hf.load, "
-            "save and logits take it; train a LLaVA preset (tiny, small, llava-1.5-7b, ...)"
+            f"model {config.name!r} (Qwen2.5-VL) is not an LLaVA model: train a qwen2.5-vl "
+            "preset (model.preset; starting from a Hugging Face directory is not wired yet), "
+            "or build it with models.qwen.QwenVL"
         )
     return config
 

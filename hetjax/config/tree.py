@@ -17,10 +17,10 @@ literal (``parallel.microbatches=0``), which a CLI translates into its flag name
 from __future__ import annotations
 
 import dataclasses
-import re
 import typing
 from typing import Any, Literal
 
+from hetjax.config.checks import check_logging
 from hetjax.config.fields import InvalidConfigError, Leaf, describe, doc, matches, walk
 from hetjax.recompute import Recompute
 
@@ -91,6 +91,11 @@ class DataConfig:
     )
     max_samples_per_row: int | None = doc(
         None, "samples one packed row holds at most (None: derived from the data)"
+    )
+    max_patches_per_microbatch: int | None = doc(
+        None,
+        "vision patches per microbatch (Qwen2.5-VL), split evenly over its rows: the tower's "
+        "row length (None: derived from the data)",
     )
     pack: bool = doc(False, "pack several samples into each seq_len row")
     balance: bool = doc(False, "order each step's rows so dp ranks get even tokens and images")
@@ -242,6 +247,7 @@ _RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "data.max_images_per_microbatch": (lambda v: v >= 1, "a positive integer"),
     "data.max_loss_tokens_per_microbatch": (lambda v: v >= 1, "a positive integer"),
     "data.max_samples_per_row": (lambda v: v >= 1, "a positive integer"),
+    "data.max_patches_per_microbatch": (lambda v: v >= 1, "a positive integer"),
     "data.workers": (lambda v: v >= 1, "a positive integer"),
     "data.prefetch": (lambda v: v >= 1, "a positive integer"),
     "parallel.microbatches": (lambda v: v >= 1, "a positive integer"),
@@ -304,7 +310,7 @@ def check(cfg: TrainConfig) -> None:
         raise InvalidConfigError(
             "checkpoint.save_every needs checkpoint.dir; give the directory to save into"
         )
-    _check_logging(cfg)
+    check_logging(cfg)
     _check_data(cfg.data)
     p = cfg.parallel
     if p.homogeneous and p.placement != "colocated":
@@ -340,41 +346,6 @@ def _check_data(d: DataConfig) -> None:
                 f"data.{given[0]} is for LLaVA files; give data.sources too (synthetic data "
                 "takes none)"
             )
-
-
-def _check_logging(cfg: TrainConfig) -> None:
-    """The profiled steps lie in the run and come with their directory; plots are PNG."""
-    lg = cfg.logging
-    if lg.plot is not None and not lg.plot.lower().endswith(".png"):
-        raise InvalidConfigError(
-            f"logging.plot={lg.plot!r} must be a .png path; give e.g. 'run.png'"
-        )
-    if (lg.profile_steps is None) != (lg.profile_dir is None):
-        given, missing = (
-            ("logging.profile_steps", "logging.profile_dir")
-            if lg.profile_dir is None
-            else ("logging.profile_dir", "logging.profile_steps")
-        )
-        raise InvalidConfigError(f"{given} needs {missing}; give both or neither")
-    if lg.profile_steps is None:
-        return
-    last = (cfg.stop_after or cfg.steps) - 1
-    if not re.fullmatch(r"\d+:\d+", lg.profile_steps):
-        raise InvalidConfigError(
-            f"profile_steps={lg.profile_steps!r} is not A:B; give two step numbers, e.g. "
-            f"profile_steps='{min(2, last)}:{min(3, last)}'"
-        )
-    a, b = lg.profile_range
-    if a > b:
-        raise InvalidConfigError(
-            f"profile_steps={lg.profile_steps!r} starts after it ends; give A <= B, e.g. "
-            f"profile_steps='{b}:{a}'"
-        )
-    if b > last:
-        raise InvalidConfigError(
-            f"profile_steps={lg.profile_steps!r} is outside the run (metrics steps 0..{last}); "
-            f"give steps within it, e.g. profile_steps='{min(a, last)}:{last}'"
-        )
 
 
 def sections() -> dict[str, type]:

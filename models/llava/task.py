@@ -177,22 +177,20 @@ class LlavaTask:
             module_devices = {m.name: n for m in graph.modules}
         else:
             module_devices = {name: len(pos) for name, pos in plan.positions.items()}
-        cfg, batch = self.config, self.run_config.data.global_batch
+        batch = self.run_config.data.global_batch
         # The head runs at its gathered positions: per cp block of the LLM's layout.
         cp = 1 if plan is None else next(m.layout.cp for m in graph.modules if m.name == "llm")
-        head = {"head_tokens": batch * self.mllm.head_positions(self.seq_len, cp)}
+        head = batch * self.mllm.head_positions(self.seq_len, cp)
 
         def metrics(supervised: float, step_time_s: float) -> dict[str, float]:
-            sizes = (batch, self.seq_len, int(supervised))
-            per = {"images_per_sample": self.mllm.images_per_row}  # image slots run
-            attention = cfg.attention_flops(*sizes[:2], **per)
-            model = flops_lib.model_flops(graph, cfg.forward_flops(*sizes, **per), attention)
-            executed = cfg.forward_flops(*sizes, executed=True, **per, **head)
-            attention = cfg.attention_flops(*sizes[:2], executed=True, **per)
+            forward, attention, executed, executed_attention = self.step_flops(
+                int(supervised), head
+            )
+            model = flops_lib.model_flops(graph, forward, attention)
             if plan is None:  # the reference trainer recomputes nothing
-                hardware = flops_lib.model_flops(graph, executed, attention)
+                hardware = flops_lib.model_flops(graph, executed, executed_attention)
             else:
-                hardware = flops_lib.hardware_flops(graph, executed, attention)
+                hardware = flops_lib.hardware_flops(graph, executed, executed_attention)
             return flops_lib.throughput_metrics(
                 model,
                 hardware,
@@ -203,6 +201,20 @@ class LlavaTask:
             )
 
         return metrics
+
+    def step_flops(self, supervised: int, head_tokens: int) -> tuple[dict, dict, dict, dict]:
+        """One step's forward FLOPs per part and the part of them in attention, as the
+        anchors count them, then as the kernels compute them (the head over
+        ``head_tokens``): :meth:`models.config.MLLMConfig.forward_flops` over every
+        image slot."""
+        cfg, per = self.config, {"images_per_sample": self.mllm.images_per_row}
+        sizes = (self.run_config.data.global_batch, self.seq_len, supervised)
+        return (
+            cfg.forward_flops(*sizes, **per),
+            cfg.attention_flops(*sizes[:2], **per),
+            cfg.forward_flops(*sizes, executed=True, head_tokens=head_tokens, **per),
+            cfg.attention_flops(*sizes[:2], executed=True, **per),
+        )
 
 
 class LlavaBatches:

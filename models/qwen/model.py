@@ -18,15 +18,16 @@ split of the batch keeps a sample's patches with its text.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from hetjax import Params, StagedModule
+from hetjax import Layout, LayoutError, Link, ModuleSpec, Params, StagedModule, TrainGraph
+from hetjax.meshes import validate_divisible
 from models.config import MLLMConfig
-from models.mllm import MLLM
+from models.mllm import MLLM, PACKED_KEYS
 
 from .config import QwenVisionConfig
 from .llm import make_qwen_llm
@@ -34,6 +35,8 @@ from .vision import VISION_KEYS, make_merger, make_vision
 
 # The LLM's block inputs: mRoPE positions; packed rows add Llama's two (PACKED_KEYS).
 LLM_KEYS = ("mrope_positions",)
+# The tower's batch input (its ``pre``'s): one row of flattened patches per LLM row.
+PATCHES = "patches"
 
 
 class QwenVL:
@@ -137,3 +140,82 @@ class QwenVL:
         h = self.hidden(params, batch)
         post = params["llm"]["post"]
         return self.modules["llm"].apply_post(post, h, batch["targets"], batch["loss_mask"])
+
+    # -- training (hetjax.train's TrainableModel, as MLLM's) -----------------------------
+
+    check_loss_budget = MLLM.check_loss_budget
+    head_positions = MLLM.head_positions
+
+    @property
+    def module_names(self) -> list[str]:
+        """Layout / island names: ``vision`` (the tower with its merger), then ``llm``."""
+        return ["vision", "llm"]
+
+    def module_parts(self) -> dict[str, tuple[str, ...]]:
+        """Module name -> its part names."""
+        return {"vision": ("vision", "projector"), "llm": ("llm",)}
+
+    frozen_parts = MLLM.frozen_parts
+
+    def train_graph(
+        self, layouts: Mapping[str, Layout], freeze: Collection[str] = ()
+    ) -> TrainGraph:
+        """The tower (with the merger) and the LLM, each with its layout.
+
+        The tower reads ``patches`` and, in every block, the patches' positions and
+        frame / window segment ids (split over dp with the rows); the LLM reads the mRoPE
+        positions in every block, a sequence input like the tokens (under cp stored
+        zigzag and split with them). The merged tokens fill the LLM's placeholders in
+        order (under cp each rank receives those of the positions it stores); a row's
+        padding patches give tokens no placeholder takes.
+        """
+        packed = PACKED_KEYS if self.packed else ()
+        vision = ModuleSpec(
+            "vision",
+            parts=(self.modules["vision"], self.modules["projector"]),
+            layout=layouts["vision"],
+            inputs=(PATCHES,),
+            block_inputs=VISION_KEYS,
+        )
+        link = Link("vision", "llm", "image")
+        llm = ModuleSpec(
+            "llm",
+            parts=(self.modules["llm"],),
+            layout=layouts["llm"],
+            inputs=("tokens",),
+            loss_inputs=("targets", "loss_mask"),
+            block_inputs=(*LLM_KEYS, *packed),
+            seq_inputs=("tokens", "targets", "loss_mask", *LLM_KEYS, *packed),
+            token_slots=(("image", "tokens", self.placeholder("image")),),
+        )
+        graph = TrainGraph((vision, llm), (link,))
+        return graph.freeze(freeze) if freeze else graph
+
+    def validate_layouts(
+        self, layouts: Mapping[str, Layout], *, seq_len: int | None = None
+    ) -> None:
+        """The LLM's as :meth:`MLLM.validate_layouts`; the tower's heads and MLP by tp,
+        its scanned periods (:attr:`QwenVisionConfig.groups`) by pp, and no cp.
+
+        Raises:
+            LayoutError: one line naming the module, the sizes and the fix.
+        """
+        if "llm" in layouts:
+            MLLM.validate_layouts(self, {"llm": layouts["llm"]}, seq_len=seq_len)
+        layout = layouts.get("vision")
+        if layout is None:
+            return
+        v = self.config.vision
+        if layout.pp > 1 and v.groups % layout.pp:
+            raise LayoutError(
+                f"vision: pp={layout.pp} must divide the tower's {v.groups} scanned periods "
+                f"of {v.period} layers (a stage holds whole periods of the window/full "
+                f"attention pattern); use a pp that divides {v.groups}"
+            )
+        validate_divisible("vision", layout, heads=v.heads, mlp=v.mlp)
+        if layout.cp > 1:
+            raise LayoutError(
+                f"vision: cp={layout.cp}, but the Qwen2.5-VL tower's window attention does "
+                "not split its patches over cp; give vision cp=1 (its own layout, not the "
+                "LLM's, e.g. non-homogeneous placement)"
+            )

@@ -56,9 +56,11 @@ def test_vocab_size_is_refused_for_a_pretrained_llm():
         hc.TrainConfig(model=hc.ModelConfig(init={"llm": "/x"}, vocab_size=512))
 
 
-def test_an_inference_only_preset_is_one_line():
-    """A Qwen2.5-VL preset loads, saves and runs logits (models.hf) but does not train
-    yet: the task refuses it in one line instead of failing deep in the data set-up."""
+def test_a_qwen_preset_is_not_an_llava_task():
+    """A Qwen2.5-VL preset trains through models.qwen.task (the entry point picks it);
+    LLaVA's task refuses it in one line instead of failing deep in the data set-up."""
     config = hc.TrainConfig(steps=1, model=hc.ModelConfig(preset="qwen2.5-vl-tiny"))
-    with pytest.raises(ValueError, match=r"^preset 'qwen2.5-vl-tiny' \(Qwen2.5-VL\) is not "):
+    with pytest.raises(
+        ValueError, match=r"^model 'qwen2.5-vl-tiny' \(Qwen2.5-VL\) is not an LLaVA"
+    ):
         LlavaTask(config)

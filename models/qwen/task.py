@@ -1,0 +1,175 @@
+"""Qwen2.5-VL as a :class:`hetjax.train.Trainer` model and batch source.
+
+:class:`QwenTask` is :class:`models.llava.task.LlavaTask`'s counterpart for a
+``qwen2.5-vl`` preset: the trainer's protocol over a :class:`~models.qwen.model.QwenVL`
+built from a run's ``model`` and ``data`` settings, on synthetic dynamic-resolution data
+(:mod:`models.qwen.data`). :class:`QwenBatches` hands out one global batch per step.
+
+The static shapes are two budgets per microbatch, split evenly over its rows: patches
+(``data.max_patches_per_microbatch``: the tower's row length; default the most a
+synthetic sample has) and supervised tokens (``data.max_loss_tokens_per_microbatch``, as
+LLaVA's). Record files, packed rows and Hugging Face weights are not wired to training
+yet (issue 32 item 3): each is refused in one line.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+
+from hetjax.config import TrainConfig
+from models.config import PRESETS, MLLMConfig, get_preset
+from models.llava.task import LlavaTask
+
+from . import flops as qwen_flops
+from .config import QwenVisionConfig
+from .data import QwenSyntheticConfig, SyntheticQwen
+from .model import QwenVL
+
+
+def is_qwen(config: TrainConfig) -> bool:
+    """Whether the run's model is a Qwen2.5-VL preset (the entry point picks the task)."""
+    m = config.model
+    preset = PRESETS.get(m.preset)  # an unknown name: LlavaTask says so in one line
+    return not m.init_from and preset is not None and isinstance(preset.vision, QwenVisionConfig)
+
+
+class QwenTask(LlavaTask):
+    """The model of a Qwen2.5-VL run (:class:`~hetjax.train.protocols.TrainableModel`):
+    :class:`~models.llava.task.LlavaTask`'s members over a :class:`QwenVL` (``mllm``),
+    its own set-up, summary and FLOPs.
+
+    Args:
+        config: the run's settings (``model``, ``data``, ``seed``, ``parallel``).
+        preset: the model instead of ``model.preset``'s.
+
+    Raises:
+        ValueError: one line: settings this family does not train with yet, or budgets
+            that do not fit the data.
+    """
+
+    def __init__(self, config: TrainConfig, *, preset: MLLMConfig | None = None):
+        self.run_config, self.given_params = config, None
+        m, d = config.model, config.data
+        for given, what in (
+            (d.sources, "data.sources (record files)"),
+            (m.init, "model.init"),
+            (m.init_from, "model.init_from"),
+        ):
+            if given:
+                raise ValueError(
+                    f"{what} is not wired to Qwen2.5-VL training yet (synthetic data, fresh "
+                    f"weights); drop {what.split()[0]}"
+                )
+        preset = preset or get_preset(m.preset)
+        if m.vocab_size is not None:
+            llm = dataclasses.replace(preset.llm, vocab=m.vocab_size)
+            preset = dataclasses.replace(preset, llm=llm)
+        self.config = preset
+        self.seq_len = m.seq_len or preset.seq_len
+        from models.llava import run as llava_run
+
+        rows = d.global_batch // config.parallel.microbatches
+        data = QwenSyntheticConfig(
+            preset.vision, self.seq_len, preset.image_token_id, 0, seed=config.seed
+        )
+        patches, source = patch_budget(d.max_patches_per_microbatch, data, rows)
+        data = dataclasses.replace(data, patches_per_row=patches)
+        self.patch_budget = llava_run.budget_line(patches, rows, source)
+        self.dataset = SyntheticQwen(data)
+        loss_tokens, source = llava_run.synthetic_loss_tokens(
+            d.max_loss_tokens_per_microbatch, data, rows
+        )
+        self.loss_budget = llava_run.budget_line(loss_tokens, rows, source)
+        dtype = jnp.bfloat16 if m.dtype == "bfloat16" else jnp.float32
+        self.mllm = QwenVL(preset, dtype, loss_tokens_per_row=loss_tokens)
+        # Real counts of each batch handed out, in step order, for flop_metrics (its
+        # callback sees the supervised tokens only; the loop reports steps in order).
+        self.counts: collections.deque = collections.deque()
+
+    # -- the protocol: LlavaTask's over ``self.mllm``, but for these ----------------------
+
+    def summary(self) -> dict[str, Any]:
+        """The patch and loss budgets, and where they came from (flag or data)."""
+        return {"patches": self.patch_budget, "loss tokens": self.loss_budget}
+
+    def step_flops(self, supervised: int, head_tokens: int) -> tuple[dict, dict, dict, dict]:
+        """As :meth:`LlavaTask.step_flops` (what :meth:`LlavaTask.flop_metrics` reads),
+        with the tower counted per patch at the step's real counts: its patches, and the
+        pairs within each window and frame its attention needs
+        (:func:`models.qwen.flops.forward_flops`); executed, every patch of the budget
+        and each row's whole square. The counts come from the batch source, in step
+        order (the loop reports every step once, in order)."""
+        counts = self.counts.popleft()
+        sizes = (self.config, counts, self.run_config.data.global_batch, self.seq_len)
+        return (
+            qwen_flops.forward_flops(*sizes, supervised),
+            qwen_flops.attention_flops(*sizes),
+            qwen_flops.forward_flops(*sizes, supervised, executed=True, head_tokens=head_tokens),
+            qwen_flops.attention_flops(*sizes, executed=True),
+        )
+
+
+class QwenBatches:
+    """The run's synthetic batches (:class:`~hetjax.train.protocols.BatchSource`), a
+    function of seed and step; each step's patch counts go to the metrics
+    (``patches``: real ones, ``patch_fill``: their share of the budget)."""
+
+    def __init__(self, task: QwenTask):
+        from models.llava import run as llava_run
+
+        self.task = task
+        cfg = task.run_config
+        self.stream = llava_run.SyntheticStream(task.dataset, cfg.data.global_batch, cfg.seed)
+        self.metrics: dict[int, dict[str, float]] = {}
+
+    def batch(self, step: int) -> dict[str, Any]:
+        batch = self.stream.batch(step)
+        self.task.mllm.check_loss_budget(batch)
+        counts = qwen_flops.vision_counts(batch)
+        self.task.counts.append(counts)
+        budget = batch["frame_ids"].size
+        self.metrics[step] = {"patches": counts.patches, "patch_fill": counts.patches / budget}
+        return batch
+
+    def step_metrics(self, step: int) -> dict[str, float]:
+        return self.metrics.pop(step, {})
+
+    def checkpoint(self) -> dict[str, Any]:
+        return self.stream.checkpoint()
+
+    def summary(self) -> str:
+        return self.stream.summary()
+
+
+def patch_budget(budget: int | None, data: QwenSyntheticConfig, rows: int) -> tuple[int, str]:
+    """The tower's row length (patches per row) and where it came from: the flag's share of
+    a microbatch, or (default) the most patches a synthetic sample has.
+
+    Raises:
+        ValueError: the share does not split evenly, is not a whole number of merge
+            units, or is below what a sample needs (one line, the fix).
+    """
+    from models.llava import run as llava_run
+
+    need, unit = data.max_sample_patches(), data.vision.merge_unit
+    if budget is None:
+        return need, "the most a synthetic sample has (--max-patches-per-microbatch sets it)"
+    per = llava_run.per_row("max_patches_per_microbatch", budget, rows)
+    if per < need:
+        raise ValueError(
+            f"max_patches_per_microbatch={budget} is {per} patches per row of a {rows}-row "
+            f"microbatch, but synthetic samples have up to {need}; use "
+            f"max_patches_per_microbatch={need * rows}"
+        )
+    if per % unit:
+        up = -(-per // unit) * unit * rows
+        raise ValueError(
+            f"max_patches_per_microbatch={budget} is {per} patches per row, not a multiple of "
+            f"the {unit} patches the merger joins into one token; use "
+            f"max_patches_per_microbatch={up}"
+        )
+    return per, "--max-patches-per-microbatch"
