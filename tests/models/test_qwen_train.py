@@ -1,0 +1,150 @@
+"""Qwen2.5-VL trains under the heterogeneous executor to the single-device numbers.
+
+One reference run (two steps of ``qwen2.5-vl-tiny`` on synthetic batches that mix image
+sizes, two images per sample, text-only samples and a 4-frame video, with the trainer's
+patch and loss budgets) is shared by every layout: colocated with the tower tensor
+parallel, non-colocated with the tower pipelined over its periods (its per-block
+positions and window/frame ids on every stage), and the LLM with cp=2 (the merged
+tokens routed to the cp rank of their placeholders, the mRoPE positions split with the
+tokens). Then the entry point's own run and its one-line errors.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import hetjax.config as hc
+from experiments import llava_train
+from experiments.cli import ConfigError
+from models.config import get_preset
+from models.qwen.data import QwenSyntheticConfig, SyntheticQwen
+from models.qwen.model import QwenVL
+from models.qwen.task import QwenTask
+from tests.runtime.parity import case, check_matches_reference, reference_run
+
+STEPS, BATCH, SEQ, SEED = 2, 8, 48, 3
+
+
+@pytest.fixture(scope="module")
+def qwen_reference():
+    cfg = get_preset("qwen2.5-vl-tiny")
+    data = SyntheticQwen(QwenSyntheticConfig(cfg.vision, SEQ, cfg.image_token_id, 64, seed=SEED))
+    batches = [data.batch(s, BATCH) for s in range(STEPS)]
+    for b in batches:  # the mix this test is about, in every step
+        runs = (b["tokens"] == cfg.image_token_id).sum(1)
+        frames = b["frame_ids"].max(1) + 1
+        assert 0 in runs and (frames >= 2).any() and len(set(runs.tolist())) >= 3, runs
+    model = QwenVL(cfg, loss_tokens_per_row=data.config.max_supervised_tokens())
+    return reference_run(model, batches)
+
+
+@pytest.mark.parametrize(
+    "c",
+    [
+        case(
+            "qwen2.5-vl-tiny",
+            "colocated",
+            2,
+            id="colocated",
+            vision="dp=4,tp=2",
+            llm="dp=2,tp=2,pp=2",
+        ),
+        case(
+            "qwen2.5-vl-tiny",
+            "non-colocated",
+            2,
+            id="islands-vision-pp2",
+            vision="dp=2,pp=2",
+            llm="dp=2,tp=2",
+        ),
+        case("qwen2.5-vl-tiny", "colocated", 1, id="llm-cp2", vision="dp=8", llm="dp=2,cp=2,tp=2"),
+    ],
+)
+def test_layouts_match_one_device(c, qwen_reference):
+    ex = check_matches_reference(c, qwen_reference)
+    # cp: the merged tokens travel routed to their placeholders' ranks
+    assert bool(ex.plan.routed) == (c.parsed["llm"].cp > 1)
+
+
+def test_entry_point_trains_a_qwen_preset(tmp_path):
+    """``llava_train --model qwen2.5-vl-tiny`` runs the Trainer on the synthetic mix; the
+    metrics count the real patches and the tower's FLOPs at them."""
+    metrics = tmp_path / "m.jsonl"
+    argv = ["--model", "qwen2.5-vl-tiny", "--steps", "1", "--global-batch", "8"]
+    argv += ["--microbatches", "1", "--seq-len", str(SEQ), "--metrics", str(metrics)]
+    argv += ["--layout", "vision:dp=8", "--layout", "llm:dp=4,tp=2"]
+    assert llava_train.main(llava_train.parse_args(argv)) == 0
+    import json
+
+    row = json.loads(metrics.read_text().splitlines()[-1])
+    assert 0 < row["patches"] < 8 * 64 and row["patch_fill"] == row["patches"] / (8 * 64)
+    assert 0 < row["model_tflops_per_step/vision"] < row["model_tflops_per_step/llm"]
+    assert np.isfinite(row["loss"])
+
+
+def _config(**data) -> hc.TrainConfig:
+    return hc.TrainConfig(
+        steps=1,
+        model=hc.ModelConfig(preset="qwen2.5-vl-tiny", seq_len=SEQ),
+        data=hc.DataConfig(global_batch=8, **data),
+        parallel=hc.ParallelConfig(microbatches=2),
+    )
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        (
+            {"max_patches_per_microbatch": 64},
+            r"^max_patches_per_microbatch=64 is 16 patches per row of a 4-row microbatch, "
+            r"but synthetic samples have up to 64; use max_patches_per_microbatch=256$",
+        ),
+        (
+            {"max_patches_per_microbatch": 264},
+            r"^max_patches_per_microbatch=264 is 66 patches per row, not a multiple of the 4 "
+            r"patches the merger joins into one token; use max_patches_per_microbatch=272$",
+        ),
+        (
+            {"max_patches_per_microbatch": 257},
+            r"^max_patches_per_microbatch=257 does not split over a microbatch's 4 rows",
+        ),
+    ],
+)
+def test_bad_patch_budget_is_one_line(data, message):
+    with pytest.raises(ValueError, match=message):
+        QwenTask(_config(**data))
+
+
+def test_patch_budget_from_the_flag():
+    task = QwenTask(_config(max_patches_per_microbatch=320))
+    assert task.dataset.config.patches_per_row == 80
+    assert task.summary()["patches"].endswith("--max-patches-per-microbatch")
+    assert task.dataset.batch(0, 8)["patches"].shape[1] == 80
+
+
+def test_bad_settings_are_one_line():
+    with pytest.raises(ValueError, match=r"^vision: cp=2, but the Qwen2.5-VL tower"):
+        QwenTask(_config()).validate_layouts(
+            {"vision": hc_layout("cp=2"), "llm": hc_layout("dp=2")}
+        )
+    with pytest.raises(ValueError, match=r"^vision: pp=4 must divide the tower's 2 scanned"):
+        QwenTask(_config()).validate_layouts({"vision": hc_layout("pp=4")})
+    with pytest.raises(ValueError, match=r"^seq_len=16 is too short: synthetic Qwen samples"):
+        QwenTask(
+            hc.TrainConfig(steps=1, model=hc.ModelConfig(preset="qwen2.5-vl-tiny", seq_len=16))
+        )
+    with pytest.raises(
+        ConfigError, match=r"^--max-patches-per-microbatch 8 is 1 patches per row of a 8-row"
+    ):
+        llava_train.main(
+            llava_train.parse_args(
+                ["--model", "qwen2.5-vl-tiny", "--max-patches-per-microbatch", "8"]
+            )
+        )
+
+
+def hc_layout(text: str):
+    from hetjax import Layout
+
+    return Layout.parse(text)
