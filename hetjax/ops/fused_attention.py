@@ -21,17 +21,29 @@ XLA maths, which the tests compare with the plain path on CPU (values and gradie
 float32); on a GPU the ``"cudnn"`` form is checked structurally on the program lowered
 for CUDA (the custom call, its mask type, no bias operand).
 
+Every form is one :func:`hetjax.ops.vmap_fold.folded_vjp` call binding JAX's cuDNN
+primitives (``jax._src.cudnn.fused_attention_stablehlo``, as its public
+``dot_product_attention`` does), not the public function: under the executor's replica
+``jax.vmap`` JAX's batching rules for those primitives fail (an unmapped operand, the
+packed layout's ``[B, M]`` lengths, a one-head bias), so the mapped axis is folded into
+the batch and the kernel runs once per call. The twin takes the same fold, so the CPU
+tests check it.
+
 Shape key: B batch, L query length, S key length, H query heads, G kv heads (divides
 ``H``), K head dim, M segments per row.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
+
+from hetjax.ops.vmap_fold import folded_vjp, vmap_folded
 
 # Which kernel an attention call runs: "plain" (einsum maths, the FP32 reference),
 # "cudnn" (the fused kernel, GPU only) or "xla" (the fused kernel's semantics in XLA, to
@@ -64,6 +76,152 @@ def pick_kernel(kernel: Kernel | None, q_BxLxHxK: jax.Array, k_BxSxGxK: jax.Arra
     return "cudnn" if fused_attention_applies(q_BxLxHxK, k_BxSxGxK) else "plain"
 
 
+# -- one fused call, folded under vmap -------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Mask:
+    """The kernel's mask for one call (static), and the per-row operands it reads.
+
+    ``valid``: the unpadded ``(L, S)`` of queries and keys (cuDNN's padding mask);
+    ``packed``: the operands ``lengths [B, M], offsets [B, M + 1]`` (packed layout,
+    causal per segment); ``bias``: the operand ``mask [B, 1, L, S]`` (bool, passed as an
+    additive bias)."""
+
+    causal: bool
+    valid: tuple[int, int] | None = None
+    packed: bool = False
+    bias: bool = False
+
+
+def _cudnn_static(q: jax.Array, mask: _Mask) -> dict:
+    """The static parameters of JAX's cuDNN attention primitives."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+    padding = mask.valid is not None or mask.packed
+    kinds = cudnn.MaskType
+    if padding:
+        mask_type = kinds.PADDING_CAUSAL if mask.causal else kinds.PADDING
+    else:
+        mask_type = kinds.CAUSAL if mask.causal else kinds.NO_MASK
+    return dict(
+        scale=float(q.shape[-1]) ** -0.5,
+        seed=42,
+        dropout_rate=0.0,
+        variadic_args=(mask.bias, mask.bias),  # (has bias, has bias gradient), as JAX's
+        mask_type=mask_type,
+        layout=cudnn.AttentionLayout.BTNH.value,
+        sliding_window_length=None,
+    )
+
+
+def _cudnn_operands(mask: _Mask, q: jax.Array, extras: tuple) -> tuple:
+    """The primitives' seven optional operands: bias, q/kv lengths, q/kv offsets and the
+    (unused) page tables; zero-size where a call has none."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+    unused = jnp.zeros(0, q.dtype)
+    bias = lengths = offsets = unused
+    if mask.bias:
+        neg = cudnn.get_large_negative_number(q.dtype)
+        bias = jnp.where(extras[0], jnp.zeros((), q.dtype), neg)
+    if mask.valid is not None:
+        lengths = (jnp.full(q.shape[:1], n, jnp.int32) for n in mask.valid)
+        return (bias, *lengths, unused, unused, unused, unused)
+    if mask.packed:
+        lengths, offsets = extras
+    return (bias, lengths, lengths, offsets, offsets, unused, unused)
+
+
+def cudnn_forward(mask, q, k, v, *extras, training=True):
+    """One unmapped kernel call: ``(out, softmax statistics [B M, H, L] float32)``, or
+    ``(out,)`` with ``training=False``."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+    return cudnn._dot_product_attention_fwd_p_wrapper.bind(
+        q, k, v, *_cudnn_operands(mask, q, extras), **_cudnn_static(q, mask), is_training=training
+    )
+
+
+def cudnn_backward(mask, q, k, v, *extras, out, stats, dout):
+    """``(dq, dk, dv)`` of one unmapped call from its output and statistics."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+    grads = cudnn._dot_product_attention_bwd_p_wrapper.bind(
+        q, k, v, *_cudnn_operands(mask, q, extras), stats, out, dout, **_cudnn_static(q, mask)
+    )
+    return tuple(grads[:3])  # a bias's gradient (JAX always asks for one) is dropped
+
+
+def _xla_attention(mask: _Mask, q, k, v, *extras):
+    """The call's semantics in XLA maths (``jax.nn``'s ``"xla"`` implementation)."""
+    kw = dict(is_causal=mask.causal, implementation="xla")
+    if mask.valid is not None:
+        l, s = (jnp.full(q.shape[:1], n, jnp.int32) for n in mask.valid)
+        kw.update(query_seq_lengths=l, key_value_seq_lengths=s)
+    elif mask.packed:
+        kw.update(is_causal=False, mask=_packed_mask_bx1xlxl(*extras, q.shape[1]))
+    elif mask.bias:
+        kw.update(mask=extras[0])
+    return jax.nn.dot_product_attention(q, k, v, **kw)
+
+
+@functools.cache
+def _fused_call(mask: _Mask, implementation: Implementation):
+    """``f(q, k, v, *extras)`` for this mask: differentiable in q/k/v, folded under vmap.
+    cuDNN's backward reads the forward's output and statistics; the twin's recomputes."""
+    if implementation == "cudnn":
+
+        def forward(q, k, v, *extras):
+            out, stats = cudnn_forward(mask, q, k, v, *extras)
+            return out, (q, k, v, extras, out, stats)
+
+        def backward(res, g):
+            q, k, v, extras, out, stats = res
+            return cudnn_backward(mask, q, k, v, *extras, out=out, stats=stats, dout=g)
+
+        primal = lambda *a: cudnn_forward(mask, *a, training=False)[0]
+        return folded_vjp(primal, forward, backward, differentiable=3)
+
+    attend = functools.partial(_xla_attention, mask)
+
+    def twin_backward(res, g):
+        q, k, v, extras = res
+        return jax.vjp(lambda q, k, v: attend(q, k, v, *extras), q, k, v)[1](g)
+
+    twin_forward = lambda q, k, v, *extras: (attend(q, k, v, *extras), (q, k, v, extras))
+    return folded_vjp(attend, twin_forward, twin_backward, differentiable=3)
+
+
+def _fused(mask: _Mask, implementation: Implementation, q, k, v, *extras) -> jax.Array:
+    if implementation == "cudnn":
+        from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+        cudnn.check_cudnn_version()  # "cuDNN is not detected" at trace time, not in XLA
+        if mask.packed and not cudnn.check_compute_capability("9.0"):
+            raise NotImplementedError("cuDNN's packed attention layout needs Hopper or later")
+    return _fused_call(mask, implementation)(q, k, v, *extras).astype(q.dtype)
+
+
+def block_attention(q, k, v, *, causal: bool) -> tuple[jax.Array, jax.Array]:
+    """cuDNN's training forward of a ring block, causal or unmasked, folded under vmap:
+    ``(out, softmax statistics [B, H, L] float32)``."""
+    return vmap_folded(functools.partial(cudnn_forward, _Mask(causal)))(q, k, v)
+
+
+def block_gradients(q, k, v, out, stats, dout, *, causal: bool) -> tuple:
+    """cuDNN's backward of a ring block from given (merged) output and statistics,
+    folded under vmap: ``(dq, dk, dv)``."""
+    mask = _Mask(causal)
+    fn = lambda q, k, v, out, stats, dout: cudnn_backward(
+        mask, q, k, v, out=out, stats=stats, dout=dout
+    )
+    return vmap_folded(fn)(q, k, v, out, stats, dout)
+
+
+# -- the forms ---------------------------------------------------------------------------
+
+
 def fused_attention(
     q_BxLxHxK: jax.Array,
     k_BxSxGxK: jax.Array,
@@ -73,30 +231,19 @@ def fused_attention(
     implementation: Implementation = "cudnn",
 ) -> jax.Array:
     """Causal (the kernel's own mask: query ``i`` sees keys ``<= i``) or unmasked GQA
-    attention through ``jax.nn.dot_product_attention``; no bias.
+    attention; no bias.
 
-    Any length: JAX refuses cuDNN training at an odd length (its check runs as if a bias
-    were passed), so an odd sequence gets one padding token, kept out by cuDNN's padding
-    mask (sequence lengths ``L`` and ``S``), and the padded query row is dropped.
+    Any length: JAX's wrapper refuses cuDNN training at an odd length (its check runs as
+    if a bias were passed), so an odd sequence gets one padding token, kept out by cuDNN's
+    padding mask (sequence lengths ``L`` and ``S``), and the padded query row is dropped.
     """
     l, s = q_BxLxHxK.shape[1], k_BxSxGxK.shape[1]
     if l % 2 == 0 and s % 2 == 0:
-        out = jax.nn.dot_product_attention(
-            q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, is_causal=causal, implementation=implementation
-        )
-        return out.astype(q_BxLxHxK.dtype)
-    b = q_BxLxHxK.shape[0]
+        mask = _Mask(causal)
+        return _fused(mask, implementation, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK)
     even = lambda x: jnp.pad(x, ((0, 0), (0, x.shape[1] % 2), (0, 0), (0, 0)))
-    out = jax.nn.dot_product_attention(
-        even(q_BxLxHxK),
-        even(k_BxSxGxK),
-        even(v_BxSxGxK),
-        is_causal=causal,
-        query_seq_lengths=jnp.full((b,), l, jnp.int32),
-        key_value_seq_lengths=jnp.full((b,), s, jnp.int32),
-        implementation=implementation,
-    )
-    return out[:, :l].astype(q_BxLxHxK.dtype)
+    qkv = (even(q_BxLxHxK), even(k_BxSxGxK), even(v_BxSxGxK))
+    return _fused(_Mask(causal, valid=(l, s)), implementation, *qkv)[:, :l]
 
 
 def masked_fused_attention(
@@ -107,13 +254,13 @@ def masked_fused_attention(
     *,
     implementation: Implementation = "cudnn",
 ) -> jax.Array:
-    """Any boolean mask, passed as cuDNN's additive bias: every tile is computed and the
-    ``[B, 1, L, S]`` bias read, and cuDNN's training kernel wants even ``L`` and ``S``
-    (:func:`bias_fused_applies`). The fallback where no mask type of the kernel fits."""
-    out = jax.nn.dot_product_attention(
-        q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, mask=mask_Bx1xLxS, implementation=implementation
-    )
-    return out.astype(q_BxLxHxK.dtype)
+    """Any boolean mask (``[B or 1, 1, L, S]``), passed as cuDNN's additive bias: every
+    tile is computed and the ``[B, 1, L, S]`` bias read, and cuDNN's training kernel wants
+    even ``L`` and ``S`` (:func:`bias_fused_applies`). The fallback where no mask type of
+    the kernel fits."""
+    b, l = q_BxLxHxK.shape[:2]
+    mask = jnp.broadcast_to(mask_Bx1xLxS, (b, 1, l, k_BxSxGxK.shape[1]))  # per row
+    return _fused(_Mask(False, bias=True), implementation, q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, mask)
 
 
 def bias_fused_applies(q_BxLxHxK: jax.Array, k_BxSxGxK: jax.Array) -> bool:
@@ -177,29 +324,17 @@ def packed_fused_attention(
     position 0, then see only the padding before them, and nothing reads them).
     ``max_segments`` must bound every row's segment count (see :func:`packed_segments`).
     """
+    if jnp.shape(segment_ids_BxL) != q_BxLxHxK.shape[:2]:
+        raise ValueError(
+            f"packed_fused_attention: segment_ids {jnp.shape(segment_ids_BxL)} must be the "
+            f"queries' [B, L] {q_BxLxHxK.shape[:2]} (one id per token)"
+        )
     lengths, offsets = packed_segments(jnp.asarray(segment_ids_BxL, jnp.int32), max_segments)
-    if implementation == "xla":
-        mask = _packed_mask_bx1xlxl(lengths, offsets, q_BxLxHxK.shape[1])
-        return masked_fused_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, mask, implementation="xla")
-    from jax._src.cudnn import fused_attention_stablehlo as cudnn
-
     h, g = q_BxLxHxK.shape[2], k_BxLxGxK.shape[2]
-    if g != h and jax.__version_info__ < (0, 11, 1):
+    if implementation == "cudnn" and g != h and jax.__version_info__ < (0, 11, 1):
         # Before jax 0.11.1 the packed layout strode K/V offsets by the query heads
         # (jax-ml/jax be78ee0f15): repeat K/V to H heads there.
         k_BxLxGxK = jnp.repeat(k_BxLxGxK, h // g, axis=2)
         v_BxLxGxK = jnp.repeat(v_BxLxGxK, h // g, axis=2)
-    out = cudnn.dot_product_attention(
-        q_BxLxHxK,
-        k_BxLxGxK,
-        v_BxLxGxK,
-        None,
-        None,
-        lengths,
-        lengths,
-        offsets,
-        offsets,
-        scale=float(q_BxLxHxK.shape[-1]) ** -0.5,
-        mask_type=cudnn.MaskType.PADDING_CAUSAL,
-    )
-    return out.astype(q_BxLxHxK.dtype)
+    mask = _Mask(True, packed=True)
+    return _fused(mask, implementation, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, lengths, offsets)

@@ -30,25 +30,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from hetjax.ops.fused_attention import Implementation
+from hetjax.ops.fused_attention import Implementation, block_attention, block_gradients
 from hetjax.ops.ring_kernels import _block_backward, _block_forward, _halves, _ring_loop, _ring_perm
-
-
-def _cudnn_params(q: jax.Array, causal: bool) -> tuple[jax.Array, dict]:
-    """The unused operands and the static parameters of JAX's cuDNN attention primitives."""
-    from jax._src.cudnn import fused_attention_stablehlo as cudnn
-
-    mask = cudnn.MaskType.CAUSAL if causal else cudnn.MaskType.NO_MASK
-    params = dict(
-        scale=float(q.shape[-1]) ** -0.5,
-        seed=42,
-        dropout_rate=0.0,
-        variadic_args=(False, False),  # (has bias, has bias gradient)
-        mask_type=mask,
-        layout=cudnn.AttentionLayout.BTNH.value,
-        sliding_window_length=None,
-    )
-    return jnp.zeros(0, q.dtype), params
 
 
 def _xla_positions(lq: int, s: int, causal: bool) -> tuple[jax.Array, jax.Array]:
@@ -64,12 +47,7 @@ def block_forward(
     """One block: ``(out [b, lq, H, K]`` in q's dtype, ``lse [b, lq, H]`` float32)."""
     b, lq, h, d = q.shape
     if implementation == "cudnn":
-        from jax._src.cudnn import fused_attention_stablehlo as cudnn
-
-        unused, params = _cudnn_params(q, causal)
-        out, stats_BxHxL = cudnn._dot_product_attention_fwd_p_wrapper.bind(
-            q, k, v, *(unused,) * 7, **params, is_training=True
-        )
+        out, stats_BxHxL = block_attention(q, k, v, causal=causal)
         return out, jnp.transpose(stats_BxHxL, (0, 2, 1))
     g = k.shape[2]
     r = h // g
@@ -95,14 +73,8 @@ def block_backward(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One block's ``(dq, dk, dv)`` given the merged ``out`` and ``lse`` of its queries."""
     if implementation == "cudnn":
-        from jax._src.cudnn import fused_attention_stablehlo as cudnn
-
-        unused, params = _cudnn_params(q, causal)
-        return tuple(
-            cudnn._dot_product_attention_bwd_p_wrapper.bind(
-                q, k, v, *(unused,) * 7, jnp.transpose(lse, (0, 2, 1)), out, dout, **params
-            )
-        )
+        stats_BxHxL = jnp.transpose(lse, (0, 2, 1))
+        return block_gradients(q, k, v, out, stats_BxHxL, dout, causal=causal)
     b, lq, h, d = q.shape
     g = k.shape[2]
     r = h // g

@@ -24,7 +24,15 @@ from models.llava.task import LlavaBatches, LlavaTask
 from models.mllm import MLLM
 from tests.models.test_llava_budget import BATCH, SEQ_LEN, _build
 from tests.models.test_loss_budget import _batches
-from tests.ops.test_fused_attention import BIAS_BWD, BIAS_FWD, BWD, FWD, cudnn_calls, fake_gpu
+from tests.ops.test_fused_attention import (
+    BIAS_BWD,
+    BIAS_FWD,
+    BWD,
+    FWD,
+    cudnn_calls,
+    cudnn_calls_in,
+    fake_gpu,
+)
 from tests.ops.test_ring_attention import packed_rows
 from tests.test_config import one_line
 
@@ -171,22 +179,20 @@ def test_bf16_packed_llm_lowers_to_the_packed_kernel_without_bias(fake_gpu, boun
         assert sorted(calls) == [(FWD, 7, "PADDING_CAUSAL", 4), (BWD, 10, "PADDING_CAUSAL", 4)]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=TypeError,
-    reason="jax's cuDNN batching rule reshapes the packed layout's [B, M] segment lengths "
-    "to [B]: the packed call needs its own vmap rule (fold the mapped axis into the batch)",
-)
-def test_bf16_packed_llm_lowers_under_the_executors_replica_vmap(fake_gpu):
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_bf16_packed_llm_lowers_under_the_executors_replica_vmap(fake_gpu, replicas):
     """The executor maps every stage program over its data-parallel replicas
     (``jax.vmap``, :mod:`hetjax.runtime.replicas`), one replica included: the packed
-    kernel must lower there too, forward and backward."""
+    kernel lowers there too, forward and backward, once for all replicas (the mapped axis
+    folded into the batch, :mod:`hetjax.ops.vmap_fold`; JAX's own cuDNN batching rule
+    reshapes the packed layout's ``[B, M]`` segment lengths to ``[B]`` and fails)."""
     cfg = get_preset("tiny")
     model = MLLM(cfg, dtype=jnp.bfloat16, packed=True, max_segments=4)
     llm = model.modules["llm"]
     blocks = model.init(jax.random.key(0))["llm"]["blocks"]
-    seg, pos = (jnp.asarray(x)[None] for x in packed_rows([[20, 30, 10], [64]], cfg.seq_len))
-    h = jnp.ones((1, 2, cfg.seq_len, cfg.llm.width), jnp.bfloat16)
+    rows = [[20, 30, 10], [64], [8, 8, 48], [40, 24]][: 2 * replicas]
+    seg, pos = (jnp.asarray(x).reshape(replicas, 2, -1) for x in packed_rows(rows, cfg.seq_len))
+    h = jnp.ones((replicas, 2, cfg.seq_len, cfg.llm.width), jnp.bfloat16)
 
     def replica(blocks, h, seg, pos):
         stage = lambda b, h: llm.apply_blocks(b, h, segment_ids=seg, positions=pos)
@@ -195,7 +201,8 @@ def test_bf16_packed_llm_lowers_under_the_executors_replica_vmap(fake_gpu):
 
     program = jax.jit(jax.vmap(replica, in_axes=(None, 0, 0, 0)))
     text = program.trace(blocks, h, seg, pos).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count(f"custom_call @{FWD}(") == 1 and text.count(f"custom_call @{BWD}(") == 1
+    want = [(FWD, 7, "PADDING_CAUSAL", 4), (BWD, 10, "PADDING_CAUSAL", 4)]
+    assert sorted(cudnn_calls_in(text)) == want  # one each, in the layers' scans
 
 
 @pytest.fixture

@@ -20,12 +20,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax._src.cudnn import fused_attention_stablehlo as cudnn
+from jax.sharding import NamedSharding, PartitionSpec
 
 from hetjax.ops import causal_attention, ring_attention, zigzag_permutation
 from hetjax.ops.attention import attention, self_attention
 from hetjax.ops.fused_attention import bias_fused_applies, fused_attention_applies, packed_segments
 from tests.ops.test_ring_attention import (
     assert_matches_reference,
+    cotangent_weights,
     packed_rows,
     permuted,
     qkv,
@@ -49,15 +51,25 @@ def bf16(*xs):
     return [x.astype(jnp.bfloat16) for x in xs]
 
 
-def cudnn_calls(attn, q, k, v) -> list[tuple[str, int, str, int]]:
+def cudnn_calls(attn, q, k, v, replicas: int | None = None) -> list[tuple[str, int, str, int]]:
     """``(target, operand count, mask type, max segments per row)`` of every cuDNN custom
-    call in ``attn``'s forward and backward, lowered for CUDA."""
+    call in ``attn``'s forward and backward, lowered for CUDA; with ``replicas``, the
+    backward mapped over them as the executor maps it (``jax.vmap``), the cotangent of
+    each replica's sum unmapped (an operand JAX's own cuDNN batching rules cannot take)."""
 
     def loss(q, k, v):
         return jnp.sum(attn(q, k, v).astype(jnp.float32))
 
-    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-    text = grad.trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
+    grad = jax.grad(loss, argnums=(0, 1, 2))
+    if replicas is not None:
+        grad = jax.vmap(grad)
+        q, k, v = (x.reshape(replicas, x.shape[0] // replicas, *x.shape[1:]) for x in (q, k, v))
+    text = jax.jit(grad).trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
+    return cudnn_calls_in(text)
+
+
+def cudnn_calls_in(text: str) -> list[tuple[str, int, str, int]]:
+    """The :func:`cudnn_calls` tuples of a program's StableHLO text."""
     calls = []
     for m in re.finditer(
         r'custom_call @(__cudnn\$\w+)\(([^)]*)\)[^\n]*?backend_config = "([^"]*)"', text
@@ -94,7 +106,8 @@ def test_fused_attention_applies(fake_gpu, monkeypatch):
 
 
 def _packed_seg(b=2, l=16):
-    seg, pos = packed_rows([[5, 7, 4], [9, 3]] if b == 2 else [[5, 7, 4]], l)
+    """Segment ids and positions of ``b`` packed rows (one replica's rows of two)."""
+    seg, pos = packed_rows([[5, 7, 4], [9, 3]][:b], l)
     return jnp.asarray(seg), jnp.asarray(pos)
 
 
@@ -126,8 +139,8 @@ def _ring(**kw):
                 k,
                 v,
                 causal=True,
-                positions=_packed_seg()[1],
-                segment_ids=_packed_seg()[0],
+                positions=_packed_seg(len(q))[1],
+                segment_ids=_packed_seg(len(q))[0],
                 max_segments=3,
             ),
             jnp.bfloat16,
@@ -136,7 +149,12 @@ def _ring(**kw):
         (
             "packed rows, no bound: the mask as a bias",
             lambda q, k, v: self_attention(
-                q, k, v, causal=True, positions=_packed_seg()[1], segment_ids=_packed_seg()[0]
+                q,
+                k,
+                v,
+                causal=True,
+                positions=_packed_seg(len(q))[1],
+                segment_ids=_packed_seg(len(q))[0],
             ),
             jnp.bfloat16,
             [(BIAS_FWD, 4, "NO_MASK", 1), (BIAS_BWD, 7, "NO_MASK", 1)],
@@ -160,7 +178,7 @@ def _ring(**kw):
         ),
         (
             "ring of packed rows: plain blocks",
-            _ring(zigzag=True, segment_ids=_packed_seg()[0]),
+            lambda q, k, v: _ring(zigzag=True, segment_ids=_packed_seg(len(q))[0])(q, k, v),
             jnp.bfloat16,
             [],
         ),
@@ -168,18 +186,22 @@ def _ring(**kw):
     ],
     ids=lambda x: x if isinstance(x, str) else "",
 )
-def test_cuda_lowering(fake_gpu, case, attn, dtype, want):
+@pytest.mark.parametrize("replicas", [None, 2], ids=["", "under the replica vmap"])
+def test_cuda_lowering(fake_gpu, case, attn, dtype, want, replicas):
+    """One kernel call per attention, mapped over replicas or not (the mapped axis is
+    folded into the batch: :mod:`hetjax.ops.vmap_fold`)."""
     q, k, v = (x.astype(dtype) for x in qkv())
-    assert sorted(cudnn_calls(attn, q, k, v)) == sorted(want), case
+    assert sorted(cudnn_calls(attn, q, k, v, replicas)) == sorted(want), case
 
 
+@pytest.mark.parametrize("replicas", [None, 2])
 @pytest.mark.parametrize("causal, mask", [(False, "PADDING"), (True, "PADDING_CAUSAL")])
-def test_odd_length_is_fused_with_a_padding_mask(fake_gpu, causal, mask):
+def test_odd_length_is_fused_with_a_padding_mask(fake_gpu, causal, mask, replicas):
     """CLIP ViT-L/14-336's 577 tokens: one padding token, kept out by cuDNN's padding mask
     (the sequence lengths are the two operands after q/k/v), no bias."""
-    q, k, v = bf16(*qkv(b=1, l=577, h=2, g=2))
+    q, k, v = bf16(*qkv(b=2, l=577, h=2, g=2))
     attn = lambda q, k, v: self_attention(q, k, v, causal=causal)
-    assert cudnn_calls(attn, q, k, v) == [(FWD, 5, mask, 1), (BWD, 8, mask, 1)]
+    assert cudnn_calls(attn, q, k, v, replicas) == [(FWD, 5, mask, 1), (BWD, 8, mask, 1)]
 
 
 def test_fusion_switched_off(fake_gpu, monkeypatch):
@@ -232,6 +254,98 @@ def test_bias_fallback_takes_the_same_mask(packed):
         lambda q, k, v: causal_attention(q, k, v, pos, segment_ids=seg, kernel=kernel)
     )
     assert_matches_reference(run("xla"), q, k, v, value_and_grads(run("plain"))(q, k, v))
+
+
+def _rows_grads(attn):
+    """``(out, d(sum(sin(out) * w))/d(q, k, v))`` of ``attn(q, k, v, *per_row)``."""
+
+    def f(q, k, v, *per_row):
+        out, vjp = jax.vjp(lambda q, k, v: attn(q, k, v, *per_row), q, k, v)
+        return out, vjp(jnp.cos(out) * cotangent_weights(out.shape))
+
+    return f
+
+
+_SEG4, _POS4 = (jnp.asarray(a) for a in packed_rows([[5, 7, 4], [9, 3], [16], [2, 14]], 16))
+
+
+@pytest.mark.parametrize("lead", [(1,), (2,), (2, 2)], ids=["1 replica", "2", "2x2 nested"])
+@pytest.mark.parametrize(
+    "attn, l, per_row",
+    [
+        (lambda q, k, v: attention(q, k, v, causal=True, kernel="xla"), 16, ()),
+        (lambda q, k, v: attention(q, k, v, causal=False, kernel="xla"), 9, ()),
+        (
+            lambda q, k, v, s, p: causal_attention(
+                q, k, v, p, segment_ids=s, kernel="xla", max_segments=3
+            ),
+            16,
+            (_SEG4, _POS4),
+        ),
+        (
+            lambda q, k, v, s, p: causal_attention(q, k, v, p, segment_ids=s, kernel="xla"),
+            16,
+            (_SEG4, _POS4),
+        ),
+    ],
+    ids=["causal", "encoder, odd length", "packed", "bias"],
+)
+def test_fused_calls_under_the_replica_vmap_equal_each_replica(attn, l, per_row, lead):
+    """The fused calls' twins (float32) folded under ``jax.vmap`` over replicas (nested
+    too): each replica's values and gradients are those of the call on its rows alone."""
+    q, k, v = qkv(b=4, l=l, seed=3)
+    args = (q, k, v, *per_row)
+    split = lambda x: x.reshape(*lead, 4 // np.prod(lead), *x.shape[1:])
+    f = _rows_grads(attn)
+    mapped = f
+    for _ in lead:
+        mapped = jax.vmap(mapped)
+    got = jax.jit(mapped)(*map(split, args))
+    rows = 4 // np.prod(lead)
+    each = [jax.jit(f)(*(x[i : i + rows] for x in args)) for i in range(0, 4, rows)]
+    want = jax.tree.map(lambda *xs: split(jnp.concatenate(xs)), *each)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+
+
+def test_packed_kernel_under_gspmd_gets_its_devices_rows(fake_gpu, monkeypatch):
+    """The executor's replica map under GSPMD (``vmap(spmd_axis_name="dp")``, replicas
+    split over dp): cuDNN's custom partitioner hands each device its own rows' segment
+    lengths with its queries. The kernel's implementation is replaced by XLA maths that
+    writes each query row's sum of segment lengths (``L`` where the lengths are the row's
+    own), so the partitioned program compiles and runs on CPU."""
+    seen = []
+
+    def row_tokens(q, lengths_BxM):  # -1 marks no segment
+        tokens_B = jnp.sum(jnp.maximum(lengths_BxM, 0), 1).astype(q.dtype)
+        return jnp.broadcast_to(tokens_B[:, None, None, None], q.shape)
+
+    def fwd(q, k, v, bias, lengths, kv_lengths, *rest, is_training, **params):
+        seen.append((q.shape[0], lengths.shape[0]))
+        out = row_tokens(q, lengths)
+        b, l, h, _ = q.shape
+        return [out, jnp.zeros((lengths.size, h, l), jnp.float32)][: 1 + is_training]
+
+    def bwd(q, k, v, bias, lengths, *rest, **params):
+        return [row_tokens(q, lengths), jnp.zeros_like(k), jnp.zeros_like(v)]
+
+    monkeypatch.setattr(cudnn, "_dot_product_attention_fwd_impl", fwd)
+    monkeypatch.setattr(cudnn, "_dot_product_attention_bwd_impl", bwd)
+    q, k, v = bf16(*qkv(b=4))
+    seg, pos = _SEG4, _POS4
+
+    def replica(q, k, v, seg, pos):
+        attn = lambda q: causal_attention(q, k, v, pos, segment_ids=seg, max_segments=3)
+        out, vjp = jax.vjp(attn, q)
+        return out, vjp(out)[0]
+
+    mesh = stage_mesh(dp=2)
+    split = NamedSharding(mesh, PartitionSpec("dp"))
+    args = [jax.device_put(x.reshape(2, 2, *x.shape[1:]), split) for x in (q, k, v, seg, pos)]
+    out, dq = jax.jit(jax.vmap(replica, spmd_axis_name="dp"))(*args)
+    assert seen == [(2, 2)]  # two devices of two rows, each with its two rows' lengths
+    np.testing.assert_array_equal(out, jnp.full(out.shape, 16.0))
+    np.testing.assert_array_equal(dq, jnp.full(dq.shape, 16.0))
 
 
 @pytest.mark.parametrize(
