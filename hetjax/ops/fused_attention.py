@@ -133,7 +133,7 @@ def _cudnn_operands(mask: _Mask, q: jax.Array, extras: tuple) -> tuple:
     return (bias, lengths, lengths, offsets, offsets, unused, unused)
 
 
-def cudnn_forward(mask, q, k, v, *extras, training=True):
+def _cudnn_forward(mask, q, k, v, *extras, training=True):
     """One unmapped kernel call: ``(out, softmax statistics [B M, H, L] float32)``, or
     ``(out,)`` with ``training=False``."""
     from jax._src.cudnn import fused_attention_stablehlo as cudnn
@@ -143,7 +143,7 @@ def cudnn_forward(mask, q, k, v, *extras, training=True):
     )
 
 
-def cudnn_backward(mask, q, k, v, *extras, out, stats, dout):
+def _cudnn_backward(mask, q, k, v, *extras, out, stats, dout):
     """``(dq, dk, dv)`` of one unmapped call from its output and statistics."""
     from jax._src.cudnn import fused_attention_stablehlo as cudnn
 
@@ -173,14 +173,14 @@ def _fused_call(mask: _Mask, implementation: Implementation):
     if implementation == "cudnn":
 
         def forward(q, k, v, *extras):
-            out, stats = cudnn_forward(mask, q, k, v, *extras)
+            out, stats = _cudnn_forward(mask, q, k, v, *extras)
             return out, (q, k, v, extras, out, stats)
 
         def backward(res, g):
             q, k, v, extras, out, stats = res
-            return cudnn_backward(mask, q, k, v, *extras, out=out, stats=stats, dout=g)
+            return _cudnn_backward(mask, q, k, v, *extras, out=out, stats=stats, dout=g)
 
-        primal = lambda *a: cudnn_forward(mask, *a, training=False)[0]
+        primal = lambda *a: _cudnn_forward(mask, *a, training=False)[0]
         return folded_vjp(primal, forward, backward, differentiable=3)
 
     attend = functools.partial(_xla_attention, mask)
@@ -203,17 +203,28 @@ def _fused(mask: _Mask, implementation: Implementation, q, k, v, *extras) -> jax
     return _fused_call(mask, implementation)(q, k, v, *extras).astype(q.dtype)
 
 
-def block_attention(q, k, v, *, causal: bool) -> tuple[jax.Array, jax.Array]:
+def block_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool
+) -> tuple[jax.Array, jax.Array]:
     """cuDNN's training forward of a ring block, causal or unmasked, folded under vmap:
     ``(out, softmax statistics [B, H, L] float32)``."""
-    return vmap_folded(functools.partial(cudnn_forward, _Mask(causal)))(q, k, v)
+    return vmap_folded(functools.partial(_cudnn_forward, _Mask(causal)))(q, k, v)
 
 
-def block_gradients(q, k, v, out, stats, dout, *, causal: bool) -> tuple:
+def block_gradients(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    out: jax.Array,
+    stats: jax.Array,
+    dout: jax.Array,
+    *,
+    causal: bool,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """cuDNN's backward of a ring block from given (merged) output and statistics,
     folded under vmap: ``(dq, dk, dv)``."""
     mask = _Mask(causal)
-    fn = lambda q, k, v, out, stats, dout: cudnn_backward(
+    fn = lambda q, k, v, out, stats, dout: _cudnn_backward(
         mask, q, k, v, out=out, stats=stats, dout=dout
     )
     return vmap_folded(fn)(q, k, v, out, stats, dout)
