@@ -64,6 +64,11 @@ class QwenTask(LlavaTask):
                     f"{what} is not wired to Qwen2.5-VL training yet (synthetic data, fresh "
                     f"weights); drop {what.split()[0]}"
                 )
+        if config.parallel.layouts == {"auto": "auto"}:
+            raise ValueError(
+                "parallel.layouts=auto: the planner does not cost the Qwen2.5-VL tower yet; "
+                "give each module's layout (vision and llm)"
+            )
         preset = preset or get_preset(m.preset)
         if m.vocab_size is not None:
             llm = dataclasses.replace(preset.llm, vocab=m.vocab_size)

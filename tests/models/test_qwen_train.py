@@ -59,6 +59,15 @@ def qwen_reference():
             llm="dp=2,tp=2",
         ),
         case("qwen2.5-vl-tiny", "colocated", 1, id="llm-cp2", vision="dp=8", llm="dp=2,cp=2,tp=2"),
+        # across islands the tokens cross split over cp, then one all-to-all to their owners
+        case(
+            "qwen2.5-vl-tiny",
+            "non-colocated",
+            2,
+            id="islands-llm-cp2",
+            vision="dp=4",
+            llm="dp=1,cp=2,tp=2",
+        ),
     ],
 )
 def test_layouts_match_one_device(c, qwen_reference):
