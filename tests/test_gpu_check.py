@@ -78,7 +78,15 @@ def test_smoke_run_reports_every_section(smoke):
     p = report["profile"]
     assert p["kernels"] > 0 and 0 <= p["gaps_share"] <= 1 and p["top_kernels"]
     att = report["attention"]
-    for name in ("causal", "causal_bias", "packed", "ring_block", "encoder"):
+    for name in (
+        "causal",
+        "causal_bias",
+        "packed",
+        "ring_block",
+        "encoder",
+        "causal_vmap2",
+        "packed_vmap2",
+    ):
         row = att[name]
         assert row["fused_kernel"] == "xla" and row["plain_fwd_bwd_s"] > 0, (name, row)
         # the fused call's XLA twin: within bf16 rounding of the plain path

@@ -114,6 +114,18 @@ def compare(run: Run, fn: Any, args: tuple, flops: float, fusable: bool = True) 
     return out
 
 
+def replicas(fn: Any) -> Any:
+    """``fn(q, k, v, kernel)`` under ``jax.vmap`` over 2 replicas of half the batch each
+    (the executor's data-parallel replicas)."""
+    import jax
+
+    def vmapped(q, k, v, kernel):
+        split = [x.reshape(2, x.shape[0] // 2, *x.shape[1:]) for x in (q, k, v)]
+        return jax.vmap(lambda q, k, v: fn(q, k, v, kernel))(*split).reshape(q.shape)
+
+    return vmapped
+
+
 def attention_section(run: Run) -> dict:
     """Plain vs fused attention through the models' entry points
     (:func:`hetjax.ops.attention.attention`, :func:`~hetjax.ops.causal_attention`,
@@ -166,6 +178,13 @@ def attention_section(run: Run) -> dict:
     out: dict[str, Any] = {"shape": {"batch": b, "seq": l, "heads": h, "kv_heads": g, "dim": k}}
     for name, (fn, flops) in rows.items():
         out[name] = run.over() or guarded(compare, run, fn, qkv, flops)
+    # The executor runs every stage program under jax.vmap over its data-parallel
+    # replicas: the fused calls' own batching (hetjax.ops.vmap_fold) on 2 replicas of
+    # one row each, the packed rows' segment ids closed over (unmapped).
+    two = tuple(jnp.concatenate([x, x[:, ::-1]]) for x in qkv)
+    for name in ("causal", "packed"):
+        fn, flops = rows[name]
+        out[f"{name}_vmap2"] = run.over() or guarded(compare, run, replicas(fn), two, 2 * flops)
     # the all-gather ring has no fused kernel: its plain time against the ring's
     out["allgather_block"] = run.over() or guarded(
         compare, run, ring("allgather"), qkv, causal, False
