@@ -11,6 +11,8 @@ tokens). Then the entry point's own run and its one-line errors.
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -18,7 +20,8 @@ import hetjax.config as hc
 from experiments import llava_train
 from experiments.cli import ConfigError
 from models.config import get_preset
-from models.qwen.data import QwenSyntheticConfig, SyntheticQwen
+from models.qwen import grids
+from models.qwen.data import QwenSyntheticConfig, SyntheticQwen, patchify
 from models.qwen.model import QwenVL
 from models.qwen.task import QwenTask
 from tests.runtime.parity import case, check_matches_reference, reference_run
@@ -84,8 +87,6 @@ def test_entry_point_trains_a_qwen_preset(tmp_path):
     argv += ["--microbatches", "1", "--seq-len", str(SEQ), "--metrics", str(metrics)]
     argv += ["--layout", "vision:dp=8", "--layout", "llm:dp=4,tp=2"]
     assert llava_train.main(llava_train.parse_args(argv)) == 0
-    import json
-
     row = json.loads(metrics.read_text().splitlines()[-1])
     assert 0 < row["patches"] < 8 * 64 and row["patch_fill"] == row["patches"] / (8 * 64)
     assert 0 < row["model_tflops_per_step/vision"] < row["model_tflops_per_step/llm"]
@@ -157,3 +158,24 @@ def hc_layout(text: str):
     from hetjax import Layout
 
     return Layout.parse(text)
+
+
+@pytest.mark.parametrize("frames", [1, 3, 4])
+def test_patchify_follows_the_patch_layout(frames):
+    """Patch ``i`` of :func:`patchify` holds the pixels at :func:`grids.patch_layout`'s
+    position ``i`` (the layout the golden logits checked), each patch ``(C, T, P, P)``
+    as the processor flattens it; the last frame repeats to fill a temporal patch."""
+    v = get_preset("qwen2.5-vl-tiny").vision
+    t, y, x, c = np.meshgrid(
+        np.arange(frames), np.arange(56), np.arange(84), np.arange(3), indexing="ij"
+    )
+    pixels = (c * 1e6 + t * 1e4 + y * 100 + x).astype(np.float32)
+    patches, grid = patchify(v, pixels)
+    assert grid == (-(-frames // 2), 4, 6) and patches.shape == (np.prod(grid), v.patch_dim)
+    lay = grids.patch_layout(v, grid)
+    p, tp = v.patch, v.temporal_patch
+    filled = np.concatenate([pixels, np.repeat(pixels[-1:], -frames % tp, axis=0)])
+    for i in range(len(patches)):
+        (row, col), f = lay["positions"][i], lay["frames"][i]
+        want = filled[f * tp : (f + 1) * tp, row * p : (row + 1) * p, col * p : (col + 1) * p]
+        np.testing.assert_array_equal(patches[i].reshape(3, tp, p, p), want.transpose(3, 0, 1, 2))
