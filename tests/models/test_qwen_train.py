@@ -179,3 +179,32 @@ def test_patchify_follows_the_patch_layout(frames):
         (row, col), f = lay["positions"][i], lay["frames"][i]
         want = filled[f * tp : (f + 1) * tp, row * p : (row + 1) * p, col * p : (col + 1) * p]
         np.testing.assert_array_equal(patches[i].reshape(3, tp, p, p), want.transpose(3, 0, 1, 2))
+
+
+def test_tower_flops_are_the_compiled_count(qwen_reference):
+    """The tower's and merger's executed FLOPs (:mod:`models.qwen.flops`) are what XLA
+    compiles on the plain path (CPU, float32), 3x for forward and two gradients: every
+    weight matmul per patch of the budget, each row's whole square per layer; the real
+    count is below it (padding and pairs across windows / frames are not needed)."""
+    import jax
+    import jax.numpy as jnp
+
+    from hetjax.inspect.hlo import matmul_flops
+    from models.qwen import flops as qwen_flops
+
+    model, params = qwen_reference.model, qwen_reference.params
+    batch = {k: v[:2] for k, v in qwen_reference.batches[0].items()}
+    ids = {k: batch[k] for k in ("vision_positions", "frame_ids", "window_ids")}
+
+    def loss(p, patches):
+        return jnp.sum(model.encode(p, {**ids, "patches": patches})["image"] ** 2)
+
+    tower = {k: params[k] for k in ("vision", "projector")}
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
+    text = grad.lower(tower, batch["patches"]).compile().as_text()
+    counts = qwen_flops.vision_counts(batch)
+    sizes = (model.config, counts, 2, SEQ, 0)
+    executed = qwen_flops.forward_flops(*sizes, executed=True)
+    assert matmul_flops(text) == 3 * (executed["vision"] + executed["projector"])
+    real = qwen_flops.forward_flops(*sizes)
+    assert 0 < real["vision"] < executed["vision"] and counts.patches < counts.budget
