@@ -73,8 +73,9 @@ class DataConfig:
     tokenizer: str | None = doc(
         None, "Hugging Face tokenizer.json, or a directory with it and tokenizer_config.json"
     )
-    template: Literal["plain", "vicuna_v1", "llama3"] = doc(
-        "vicuna_v1", "chat template: plain (pretraining), vicuna_v1 (LLaVA-1.5), llama3"
+    template: Literal["plain", "vicuna_v1", "llama3", "qwen2_vl"] = doc(
+        "vicuna_v1",
+        "chat template: plain (pretraining), vicuna_v1 (LLaVA-1.5), llama3, qwen2_vl",
     )
     image_aspect: Literal["crop", "pad"] = doc(
         "crop", "crop: CLIP's shortest-side resize and centre crop; pad: square with the mean first"
@@ -97,6 +98,12 @@ class DataConfig:
         "vision patches per microbatch (Qwen2.5-VL), split evenly over its rows: the tower's "
         "row length (None: derived from the data)",
     )
+    min_pixels: int = doc(56 * 56, "Qwen2.5-VL: fewest pixels of an image or frame after resizing")
+    max_pixels: int = doc(
+        28 * 28 * 1280, "Qwen2.5-VL: most pixels of an image or frame after resizing"
+    )
+    video_fps: float = doc(2.0, "Qwen2.5-VL: video frames sampled per second")
+    max_frames: int = doc(768, "Qwen2.5-VL: most frames sampled from one video (whole pairs)")
     pack: bool = doc(False, "pack several samples into each seq_len row")
     balance: bool = doc(False, "order each step's rows so dp ranks get even tokens and images")
     skip_bad_samples: bool = doc(False, "skip and count bad records instead of stopping")
@@ -248,6 +255,10 @@ _RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "data.max_loss_tokens_per_microbatch": (lambda v: v >= 1, "a positive integer"),
     "data.max_samples_per_row": (lambda v: v >= 1, "a positive integer"),
     "data.max_patches_per_microbatch": (lambda v: v >= 1, "a positive integer"),
+    "data.min_pixels": (lambda v: v >= 1, "a positive integer"),
+    "data.max_pixels": (lambda v: v >= 1, "a positive integer"),
+    "data.video_fps": (lambda v: v > 0, "a positive number"),
+    "data.max_frames": (lambda v: v >= 2, "an integer >= 2 (one temporal patch)"),
     "data.workers": (lambda v: v >= 1, "a positive integer"),
     "data.prefetch": (lambda v: v >= 1, "a positive integer"),
     "parallel.microbatches": (lambda v: v >= 1, "a positive integer"),
