@@ -13,7 +13,10 @@ By concern:
 - :mod:`~models.qwen.llm` - the Qwen2 decoder with mRoPE;
 - :mod:`~models.qwen.model` - :class:`QwenVL`, the three composed;
 - :mod:`~models.qwen.grids`, :mod:`~models.qwen.inputs` - host-side patch layout, windows,
-  3D positions, and transformers' processor outputs as a batch.
+  3D positions, and transformers' processor outputs as a batch;
+- :mod:`~models.qwen.data`, :mod:`~models.qwen.task`, :mod:`~models.qwen.flops` - training:
+  synthetic dynamic-resolution data, the trainer's model and batch source, FLOPs per
+  patch.
 """
 
 from typing import Any
