@@ -135,7 +135,9 @@ class QwenData(LlavaData):
                 files, sec = self._frames(record, kind, path)
                 grid_list.append(p.grid([p.size(f) for f in files[:1]], len(files)))
             except (OSError, ValueError) as e:
-                raise BadSample(f"undecodable_{kind}", where, f"{kind} {path}: {e}") from None
+                raise BadSample(
+                    f"undecodable_{kind}", where, f"{kind} {path} does not decode: {e}"
+                ) from None
             frames.append(files)
             seconds.append(sec)
         counts = [t * h * w // v.merge_unit for t, h, w in grid_list]
@@ -176,7 +178,9 @@ class QwenData(LlavaData):
             try:
                 items.append(self.processor.frames(files))
             except (OSError, ValueError) as e:
-                raise BadSample(f"undecodable_{kind}", where, f"{kind} {path}: {e}") from None
+                raise BadSample(
+                    f"undecodable_{kind}", where, f"{kind} {path} does not decode: {e}"
+                ) from None
         assert [g for _, g in items] == grid_list, "the headers and the pixels disagree"
         ids = np.full(c.seq_len + 1, self.tokenizer.pad_id, np.int64)
         ids[: len(sample.ids)] = sample.ids

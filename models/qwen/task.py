@@ -3,19 +3,21 @@
 :class:`QwenTask` is :class:`models.llava.task.LlavaTask`'s counterpart for a
 ``qwen2.5-vl`` preset: the trainer's protocol over a :class:`~models.qwen.model.QwenVL`
 built from a run's ``model`` and ``data`` settings, on synthetic dynamic-resolution data
-(:mod:`models.qwen.data`). :class:`QwenBatches` hands out one global batch per step.
+(:mod:`models.qwen.data`) or LLaVA-format record files of images and videos
+(:mod:`models.qwen.loader`). :class:`QwenBatches` hands out one global batch per step.
 
 The static shapes are two budgets per microbatch, split evenly over its rows: patches
 (``data.max_patches_per_microbatch``: the tower's row length; default the most a
-synthetic sample has) and supervised tokens (``data.max_loss_tokens_per_microbatch``, as
-LLaVA's). Record files, packed rows and Hugging Face weights are not wired to training
-yet (issue 32 item 3): each is refused in one line.
+synthetic sample has, or one of the first records) and supervised tokens
+(``data.max_loss_tokens_per_microbatch``, as LLaVA's). Packed rows and Hugging Face
+weights are not wired to training yet (issue 32 item 3): each is refused in one line.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 import jax.numpy as jnp
@@ -25,6 +27,7 @@ from models.config import PRESETS, MLLMConfig, get_preset
 from models.llava.task import LlavaTask
 
 from . import flops as qwen_flops
+from . import loader as qwen_loader
 from .config import QwenVisionConfig
 from .data import QwenSyntheticConfig, SyntheticQwen
 from .model import QwenVL
@@ -55,7 +58,6 @@ class QwenTask(LlavaTask):
         self.run_config, self.given_params = config, None
         m, d = config.model, config.data
         for given, what in (
-            (d.sources, "data.sources (record files)"),
             (m.init, "model.init"),
             (m.init_from, "model.init_from"),
         ):
@@ -73,22 +75,37 @@ class QwenTask(LlavaTask):
         if m.vocab_size is not None:
             llm = dataclasses.replace(preset.llm, vocab=m.vocab_size)
             preset = dataclasses.replace(preset, llm=llm)
-        self.config = preset
         self.seq_len = m.seq_len or preset.seq_len
         from models.llava import run as llava_run
 
         rows = d.global_batch // config.parallel.microbatches
-        data = QwenSyntheticConfig(
-            preset.vision, self.seq_len, preset.image_token_id, 0, seed=config.seed
-        )
-        patches, source = patch_budget(d.max_patches_per_microbatch, data, rows)
-        data = dataclasses.replace(data, patches_per_row=patches)
-        self.patch_budget = llava_run.budget_line(patches, rows, source)
-        self.dataset = SyntheticQwen(data)
-        loss_tokens, source = llava_run.synthetic_loss_tokens(
-            d.max_loss_tokens_per_microbatch, data, rows
-        )
-        self.loss_budget = llava_run.budget_line(loss_tokens, rows, source)
+        if d.sources:  # record files (models.qwen.loader): the budgets come from them
+            self.dataset, preset = qwen_loader.build(
+                d,
+                preset,
+                seq_len=self.seq_len,
+                seed=config.seed,
+                microbatches=config.parallel.microbatches,
+                grow_vocab=m.vocab_size is None,
+            )
+            self.patch_budget, self.loss_budget = (
+                self.dataset.patch_budget,
+                self.dataset.loss_budget,
+            )
+            loss_tokens = self.dataset.config.loss_tokens_per_row
+        else:
+            data = QwenSyntheticConfig(
+                preset.vision, self.seq_len, preset.image_token_id, 0, seed=config.seed
+            )
+            patches, source = patch_budget(d.max_patches_per_microbatch, data, rows)
+            data = dataclasses.replace(data, patches_per_row=patches)
+            self.patch_budget = llava_run.budget_line(patches, rows, source)
+            self.dataset = SyntheticQwen(data)
+            loss_tokens, source = llava_run.synthetic_loss_tokens(
+                d.max_loss_tokens_per_microbatch, data, rows
+            )
+            self.loss_budget = llava_run.budget_line(loss_tokens, rows, source)
+        self.config = preset
         dtype = jnp.bfloat16 if m.dtype == "bfloat16" else jnp.float32
         self.mllm = QwenVL(preset, dtype, loss_tokens_per_row=loss_tokens)
         # Real counts of each batch handed out, in step order, for flop_metrics (its
@@ -119,9 +136,10 @@ class QwenTask(LlavaTask):
 
 
 class QwenBatches:
-    """The run's synthetic batches (:class:`~hetjax.train.protocols.BatchSource`), a
-    function of seed and step; each step's patch counts go to the metrics
-    (``patches``: real ones, ``patch_fill``: their share of the budget)."""
+    """The run's batches (:class:`~hetjax.train.protocols.BatchSource`): synthetic (a
+    function of seed and step), or record files from a loader position (:meth:`start`);
+    each step's patch counts go to the metrics (``patches``: real ones, ``patch_fill``:
+    their share of the budget)."""
 
     def __init__(self, task: QwenTask):
         from models.llava import run as llava_run
@@ -130,6 +148,19 @@ class QwenBatches:
         cfg = task.run_config
         self.stream = llava_run.SyntheticStream(task.dataset, cfg.data.global_batch, cfg.seed)
         self.metrics: dict[int, dict[str, float]] = {}
+
+    def start(self, trainer: Any, state: Mapping[str, Any] | None) -> None:
+        """Record files: the loader from a checkpoint's position, balancing over the
+        trainer's microbatches and each module's dp ranks (synthetic: nothing to do)."""
+        if not self.task.run_config.data.sources:
+            return
+        saved = state["state"] if state and state.get("kind") == "qwen" else None
+        if trainer.plan is None:  # the reference trainer: data parallel over every device
+            dp = {"llm": len(trainer.devices)}
+        else:
+            dp = {m.name: m.layout.dp * m.layout.ep for m in trainer.graph.modules}
+        bins = (trainer.microbatches, dp.get("vision", dp["llm"]), dp["llm"])
+        self.stream = qwen_loader.QwenStream(self.task.dataset, bins, saved)
 
     def batch(self, step: int) -> dict[str, Any]:
         batch = self.stream.batch(step)
@@ -141,13 +172,16 @@ class QwenBatches:
         return batch
 
     def step_metrics(self, step: int) -> dict[str, float]:
-        return self.metrics.pop(step, {})
+        return {**self.stream.step_metrics(step), **self.metrics.pop(step, {})}
 
     def checkpoint(self) -> dict[str, Any]:
         return self.stream.checkpoint()
 
     def summary(self) -> str:
         return self.stream.summary()
+
+    def close(self) -> None:
+        self.stream.close()
 
 
 def patch_budget(budget: int | None, data: QwenSyntheticConfig, rows: int) -> tuple[int, str]:
