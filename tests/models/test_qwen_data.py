@@ -81,7 +81,8 @@ def _data(made, records, tmp_path, **data) -> loader.QwenData:
     path = tmp_path / "records.json"
     path.write_text(json.dumps(records))
     d = dict(sources={str(path): 1.0}, tokenizer=made["tokenizer"], image_folder=made["media"])
-    cfg = hc.DataConfig(global_batch=2, template="qwen2_vl", workers=2, **PIXELS, **d, **data)
+    d = {"global_batch": 2, "template": "qwen2_vl", "workers": 2, **PIXELS, **d, **data}
+    cfg = hc.DataConfig(**d)
     out, _ = loader.build(cfg, TINY, seq_len=64, seed=0, microbatches=1, grow_vocab=True)
     return out
 
@@ -206,3 +207,30 @@ def test_settings_are_one_line(made, tmp_path):
         QwenImageProcessor(TINY.vision, 5000, 3136)
     with pytest.raises(ValueError, match=r"is 3 patches per row, not a multiple of the 4"):
         _data(made, rec, tmp_path, max_patches_per_microbatch=6)
+
+
+def test_stream_resumes_and_balances(made, tmp_path):
+    """A stream opened at a batch's position hands out what the first stream hands out
+    next; with balance the rows are ordered by tokens and patches (imbalance metrics);
+    a record whose truncation would cut its video is skipped and counted."""
+    recs = json.loads(pathlib.Path(made["train"]).read_text())
+    video = next(r for r in recs if "video" in r)
+    long = {**video, "id": "long", "conversations": _turns("x " * 60 + "<video>", "y")}
+    data = _data(made, [long, *recs[:12]], tmp_path, global_batch=4, balance=True)
+    first = loader.QwenStream(data, (1, 2, 2))
+    try:
+        first.batch(0)
+        state = first.checkpoint()["state"]
+        a1 = first.batch(1)
+        metrics = first.step_metrics(1)
+    finally:
+        first.close()
+    assert {"patches_per_step", "patch_imbalance", "token_imbalance"} <= set(metrics)
+    again = loader.QwenStream(data, (1, 2, 2), state)
+    try:
+        b1 = again.batch(1)
+        assert again.summary() == "truncation would cut an image or video 1"
+    finally:
+        again.close()
+    for k in a1:
+        np.testing.assert_array_equal(a1[k], b1[k])
