@@ -294,6 +294,13 @@ class Loader:
         c = data.config
         self.state = dict(state or data.start_state())
         self.image_rows = None if image_rows is None else frozenset(int(r) for r in image_rows)
+        # Bad records in a row after which every record has been drawn (and was bad) at
+        # least once: the draws interleave the sources by weight, and two epochs of each
+        # cover every record of it across an epoch boundary.
+        share = data.weights / data.weights.sum()
+        spans = (2 * len(f) / w for f, w in zip(data.files, share, strict=True))
+        self._all_bad_after = int(max(spans)) + 1
+        self._bad_in_a_row = 0
         self._pool = concurrent.futures.ThreadPoolExecutor(c.workers, "llava-load")
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, c.prefetch))
         self._stop = threading.Event()
@@ -335,7 +342,15 @@ class Loader:
                     raise sample
                 state["bad"][sample.reason] = state["bad"].get(sample.reason, 0) + 1
                 stream.pop()
+                self._bad_in_a_row += 1
+                if self._bad_in_a_row >= self._all_bad_after:
+                    reasons = ", ".join(f"{n} {r}" for r, n in summary_counts(state).items())
+                    raise ValueError(
+                        f"every record was skipped ({reasons}): fix the records or the "
+                        "settings that skip them"
+                    )
                 continue
+            self._bad_in_a_row = 0
             if not packer.add(sample):
                 break  # it starts the next step
             state["truncated"] += int(sample.truncated)

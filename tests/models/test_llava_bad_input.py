@@ -94,3 +94,17 @@ def test_skip_bad_samples_counts_every_reason(llava_dir, tok, tmp_path):
     expected = {r for r, _ in bad} | {"malformed_json"}
     assert {REASONS[r] for r in expected} <= set(counts)
     assert all(counts[REASONS[r]] == 1 for r in expected), counts
+
+
+def test_data_whose_every_record_is_skipped_stops_in_one_line(llava_dir, tok, tmp_path):
+    """With ``skip_bad`` and nothing good left, the loader stops (it looped forever)."""
+    with open(os.path.join(llava_dir["images"], "broken.png"), "wb") as f:
+        f.write(b"not a png at all")
+    broken = {"id": "broken", "image": "broken.png", "conversations": _img()}
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join(json.dumps({**broken, "id": f"b{i}"}) for i in range(3)))
+    data = make_data(llava_dir, tok, [(str(path), 1.0)], skip_bad=True, global_batch=4)
+    loader = Loader(data)
+    with pytest.raises(ValueError, match=r"^every record was skipped \(\d+ ") as e:
+        loader.next()
+    assert "\n" not in str(e.value)
