@@ -1,12 +1,13 @@
-"""Export a training checkpoint as a Hugging Face LLaVA directory.
+"""Export a training checkpoint as a Hugging Face LLaVA or Qwen2.5-VL directory.
 
     python -m experiments.export --checkpoint DIR --out HF_DIR [--step S]
 
 Reads only the parameters of the checkpoint (latest step unless ``--step``) onto one host
 device, rebuilds the model from the config the checkpoint records, and writes
 ``config.json`` + ``model.safetensors`` that ``LlavaForConditionalGeneration.from_pretrained``
-loads (see ``models/hf.py``). Any layout the run used exports alike: checkpoints are
-layout-free.
+(a Qwen2.5-VL run's: ``Qwen2_5_VLForConditionalGeneration``, the released checkpoints'
+key names) loads (see ``models/hf``). Any layout the run used exports alike: checkpoints
+are layout-free.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ def main(argv: list[str]) -> int:
     from models import hf
     from models.config import config_from_dict, get_preset
     from models.mllm import MLLM
+    from models.qwen import QwenVisionConfig, QwenVL
 
     try:
         ckpt = Checkpointer(args.checkpoint)
@@ -42,7 +44,8 @@ def main(argv: list[str]) -> int:
             config = config_from_dict(model_meta["config"])
         else:  # checkpoints written before the model config was recorded
             config = get_preset(model_meta.get("preset", "tiny"))
-        model = MLLM(config)
+        qwen = isinstance(config.vision, QwenVisionConfig)  # Qwen2.5-VL: its own model
+        model = QwenVL(config) if qwen else MLLM(config)
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         like = {
             name: jax.tree.map(

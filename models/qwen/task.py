@@ -9,20 +9,27 @@ built from a run's ``model`` and ``data`` settings, on synthetic dynamic-resolut
 The static shapes are two budgets per microbatch, split evenly over its rows: patches
 (``data.max_patches_per_microbatch``: the tower's row length; default the most a
 synthetic sample has, or one of the first records) and supervised tokens
-(``data.max_loss_tokens_per_microbatch``, as LLaVA's). Packed rows and Hugging Face
-weights are not wired to training yet (issue 32 item 3): each is refused in one line.
+(``data.max_loss_tokens_per_microbatch``, as LLaVA's). ``model.init_from`` starts from a
+Hugging Face ``Qwen2_5_VLForConditionalGeneration`` directory: the model from its
+``config.json`` (vision placeholder ids included), the weights read lazily per process
+(:func:`models.hf.qwen.read_qwen`). Packed rows and ``model.init`` (parts) are refused in
+one line.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import json
+import pathlib
 from collections.abc import Mapping
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 from hetjax.config import TrainConfig
+from models import tokenizer
 from models.config import PRESETS, MLLMConfig, get_preset
 from models.llava.task import LlavaTask
 
@@ -34,10 +41,40 @@ from .model import QwenVL
 
 
 def is_qwen(config: TrainConfig) -> bool:
-    """Whether the run's model is a Qwen2.5-VL preset (the entry point picks the task)."""
+    """Whether the run's model is Qwen2.5-VL (the entry point picks the task): a Qwen
+    preset, or ``model.init_from`` a directory whose ``config.json`` has a Qwen
+    ``model_type`` (an unreadable one goes to LlavaTask, which says so in one line)."""
     m = config.model
+    if m.init_from:
+        return _model_type(m.init_from).startswith("qwen")
     preset = PRESETS.get(m.preset)  # an unknown name: LlavaTask says so in one line
-    return not m.init_from and preset is not None and isinstance(preset.vision, QwenVisionConfig)
+    return preset is not None and isinstance(preset.vision, QwenVisionConfig)
+
+
+def _model_type(path: str) -> str:
+    try:
+        return str(json.loads((pathlib.Path(path) / "config.json").read_text())["model_type"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+
+
+def model_config(path: str) -> MLLMConfig:
+    """The model of a Hugging Face Qwen2.5-VL directory (its ``config.json`` only).
+
+    Raises:
+        ValueError: one line: another Qwen family (Qwen2-VL, Qwen3-VL), or settings this
+            model does not take.
+    """
+    from models.hf import qwen_config
+
+    kind = _model_type(path)
+    if kind != qwen_config.MODEL_TYPE:
+        raise ValueError(
+            f"model.init_from {path} is a {kind!r} checkpoint; Qwen2.5-VL training takes a "
+            f"Qwen2_5_VLForConditionalGeneration directory (model_type "
+            f"{qwen_config.MODEL_TYPE!r})"
+        )
+    return qwen_config.qwen_config_of(pathlib.Path(path))
 
 
 class QwenTask(LlavaTask):
@@ -57,21 +94,17 @@ class QwenTask(LlavaTask):
     def __init__(self, config: TrainConfig, *, preset: MLLMConfig | None = None):
         self.run_config, self.given_params = config, None
         m, d = config.model, config.data
-        for given, what in (
-            (m.init, "model.init"),
-            (m.init_from, "model.init_from"),
-        ):
-            if given:
-                raise ValueError(
-                    f"{what} is not wired to Qwen2.5-VL training yet (synthetic data, fresh "
-                    f"weights); drop {what.split()[0]}"
-                )
+        if m.init:
+            raise ValueError(
+                "model.init is not wired to Qwen2.5-VL training (its parts load together): "
+                "give the whole Hugging Face directory as model.init_from, or drop model.init"
+            )
         if config.parallel.layouts == {"auto": "auto"}:
             raise ValueError(
                 "parallel.layouts=auto: the planner does not cost the Qwen2.5-VL tower yet; "
                 "give each module's layout (vision and llm)"
             )
-        preset = preset or get_preset(m.preset)
+        preset = preset or (model_config(m.init_from) if m.init_from else get_preset(m.preset))
         if m.vocab_size is not None:
             llm = dataclasses.replace(preset.llm, vocab=m.vocab_size)
             preset = dataclasses.replace(preset, llm=llm)
@@ -79,6 +112,7 @@ class QwenTask(LlavaTask):
         from models.llava import run as llava_run
 
         rows = d.global_batch // config.parallel.microbatches
+        given = preset
         if d.sources:  # record files (models.qwen.loader): the budgets come from them
             self.dataset, preset = qwen_loader.build(
                 d,
@@ -86,14 +120,18 @@ class QwenTask(LlavaTask):
                 seq_len=self.seq_len,
                 seed=config.seed,
                 microbatches=config.parallel.microbatches,
-                grow_vocab=m.vocab_size is None,
+                grow_vocab=m.vocab_size is None and not m.init_from,
             )
+            if m.init_from:
+                check_tokenizer_ids(m.init_from, given, preset)
             self.patch_budget, self.loss_budget = (
                 self.dataset.patch_budget,
                 self.dataset.loss_budget,
             )
             loss_tokens = self.dataset.config.loss_tokens_per_row
         else:
+            if m.init_from:
+                check_synthetic_ids(m.init_from, preset)
             data = QwenSyntheticConfig(
                 preset.vision, self.seq_len, preset.image_token_id, 0, seed=config.seed
             )
@@ -113,6 +151,25 @@ class QwenTask(LlavaTask):
         self.counts: collections.deque = collections.deque()
 
     # -- the protocol: LlavaTask's over ``self.mllm``, but for these ----------------------
+
+    def initial_params(self, key: jax.Array, *, lead: bool) -> Any:
+        """Fresh parameters, or ``model.init_from``'s weights read lazily (each process
+        reads only what its devices hold when the trainer places them); process 0
+        (``lead``) prints what was read."""
+        m = self.run_config.model
+        if not m.init_from:
+            return self.mllm.init(key)
+        from models.hf import LoadReport
+        from models.hf.files import read_config
+        from models.hf.qwen import read_qwen
+
+        path = pathlib.Path(m.init_from)
+        params, unused = read_qwen(self.mllm, path, read_config(path), lazy=True)
+        if lead:
+            report = LoadReport(dict.fromkeys(params, str(path)), {str(path): unused})
+            for line in report.lines():
+                print(line, flush=True)
+        return params
 
     def summary(self) -> dict[str, Any]:
         """The patch and loss budgets, and where they came from (flag or data)."""
@@ -212,3 +269,44 @@ def patch_budget(budget: int | None, data: QwenSyntheticConfig, rows: int) -> tu
             f"max_patches_per_microbatch={up}"
         )
     return per, "--max-patches-per-microbatch"
+
+
+def check_synthetic_ids(path: str, config: MLLMConfig) -> None:
+    """Synthetic data writes text with the byte tokenizer (ids up to its EOS): a
+    checkpoint's vision token ids must lie above them and inside its vocabulary.
+
+    Raises:
+        ValueError: one line: give record files with the checkpoint's tokenizer instead.
+    """
+    v, vocab = config.vision, config.llm.vocab
+    ids = {
+        "image_token_id": config.image_token_id,
+        "video_token_id": v.video_token_id,
+        "vision_start_token_id": v.vision_start_token_id,
+        "vision_end_token_id": v.vision_end_token_id,
+    }
+    bad = [f"{k}={i}" for k, i in ids.items() if not tokenizer.EOS < i < vocab]
+    if bad:
+        raise ValueError(
+            f"model.init_from {path}: synthetic data needs the vision token ids between the "
+            f"byte tokenizer's {tokenizer.EOS + 1} ids and the vocabulary's {vocab}, not "
+            f"{', '.join(bad)}; give data.sources records with the checkpoint's tokenizer"
+        )
+
+
+def check_tokenizer_ids(path: str, checkpoint: MLLMConfig, data: MLLMConfig) -> None:
+    """The tokenizer's vision token ids (``data``: what the loader set) must be those the
+    checkpoint was trained with (its ``config.json``).
+
+    Raises:
+        ValueError: one line naming the first id that differs.
+    """
+    names = ("video_token_id", "vision_start_token_id", "vision_end_token_id")
+    pairs = [("image_token_id", checkpoint.image_token_id, data.image_token_id)]
+    pairs += [(n, getattr(checkpoint.vision, n), getattr(data.vision, n)) for n in names]
+    for name, want, got in pairs:
+        if want != got:
+            raise ValueError(
+                f"data.tokenizer gives {name}={got} but model.init_from {path}'s config.json "
+                f"has {want}; use the checkpoint's own tokenizer"
+            )
