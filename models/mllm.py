@@ -38,13 +38,13 @@ PACKED_KEYS = ("segment_ids", "positions")
 
 def check_trainable(config: MLLMConfig) -> MLLMConfig:
     """``config``, if :class:`MLLM` (and so LLaVA's task) can build it; a one-line error
-    for Qwen2.5-VL (:mod:`models.qwen`: the trainer takes its presets through
-    :class:`models.qwen.task.QwenTask`, not yet its Hugging Face directories)."""
+    for Qwen2.5-VL (:mod:`models.qwen`: the trainer takes its presets and Hugging Face
+    directories through :class:`models.qwen.task.QwenTask`)."""
     if config.vision is not None and config.vision.kind == "qwen2_5_vl":
         raise ValueError(
             f"model {config.name!r} (Qwen2.5-VL) is not an LLaVA model: train a qwen2.5-vl "
-            "preset (model.preset; starting from a Hugging Face directory is not wired yet), "
-            "or build it with models.qwen.QwenVL"
+            "preset (model.preset) or its Hugging Face directory (model.init_from), or build "
+            "it with models.qwen.QwenVL"
         )
     return config
 
