@@ -6,16 +6,16 @@ table."""
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
+from typing import Any
 
 from hetjax.config.fields import InvalidConfigError
 
-if TYPE_CHECKING:
-    from hetjax.config.tree import TrainConfig
 
+def check_logging(cfg: Any) -> None:
+    """The profiled steps lie in the run and come with their directory; plots are PNG.
 
-def check_logging(cfg: TrainConfig) -> None:
-    """The profiled steps lie in the run and come with their directory; plots are PNG."""
+    ``cfg`` is a :class:`hetjax.config.tree.TrainConfig` (not imported: ``tree`` imports
+    this module)."""
     lg = cfg.logging
     if lg.plot is not None and not lg.plot.lower().endswith(".png"):
         raise InvalidConfigError(
