@@ -93,9 +93,10 @@ def run(row: Any, devices: list) -> dict:
     size = {key: prog.mesh.size for key, prog in ex.programs.items()}
     compiled = rec.per_step(lambda c: matmul_flops(c.as_text()), size)
     supervised = int(batches[1]["loss_mask"].sum())
-    forward = model.config.forward_flops(GLOBAL_BATCH, seq_len, supervised)
-    executed = model.config.forward_flops(GLOBAL_BATCH, seq_len, supervised, executed=True)
-    attention = model.config.attention_flops(GLOBAL_BATCH, seq_len, executed=True)
+    # The head runs at the loss budget's positions (per cp block), as the trainer counts.
+    cp = next(m.layout.cp for m in graph.modules if m.name == "llm")
+    head = GLOBAL_BATCH * model.head_positions(seq_len, cp)
+    forward, _, executed, attention = tr.model.step_flops(supervised, head)
     freeze = row.model.frozen
     frozen = model.frozen_parts(freeze) if freeze else frozenset()
     trainable = {k: v for k, v in ex.full_params().items() if k not in frozen}
