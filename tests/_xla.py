@@ -25,6 +25,10 @@ turns the fusion emitters back on with O1.
 """
 
 COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+# Appended to XLA_FLAGS (the last setting wins) by a test that needs XLA:CPU's default
+# fusion emitters: their reductions do not depend on what else a program computes, so two
+# different programs' shared maths agree bit for bit (the loop emitters' may not).
+FUSION_EMITTERS = "--xla_cpu_use_fusion_emitters=true"
 # What a test whose run time outweighs its compiles passes as jax.jit compiler_options.
 OPTIMISED = {"xla_backend_optimization_level": 1, "xla_cpu_use_fusion_emitters": True}
 # XLA:CPU aborts when a collective waits 40 s for a participant; tests start several
