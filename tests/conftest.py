@@ -2,6 +2,7 @@
 fixtures tests in several folders share."""
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -49,3 +50,40 @@ def tok(llava_dir):
     from models.llava import HFTokenizer
 
     return HFTokenizer(llava_dir["tokenizer"])
+
+
+# The files that take longest (their module fixtures train several runs), heaviest first.
+# pytest-xdist hands whole files to its two workers in collection order, so putting these
+# first lets the many short files fill in at the end: otherwise a long file drawn last
+# keeps one worker busy while the other idles (``--durations`` on the 2-core machine).
+HEAVY_FIRST = (
+    "checkpoint/test_checkpoint.py",
+    "checkpoint/test_cli.py",
+    "runtime/test_executor_parity.py",
+    "runtime/test_parallelism_parity.py",
+    "runtime/test_bench_engine.py",
+    "runtime/test_bench_executor.py",
+    "runtime/test_encoder_matters.py",
+    "runtime/test_recompute.py",
+    "runtime/test_parallelism_programs.py",
+    "runtime/test_freeze.py",
+    "plan/test_validation.py",
+    "runtime/test_llava_packing.py",
+    "test_gpu_check.py",
+    "runtime/test_bench_comm.py",
+    "test_llava_train_cli.py",
+    "models/test_qwen_train.py",
+    "runtime/test_bench_checkpoint.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Runs the files of :data:`HEAVY_FIRST` first, in that order (a stable sort: the
+    other files, and every file's tests, keep their order)."""
+    rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
+    tests = Path(__file__).parent
+
+    def key(item) -> int:
+        return rank.get(Path(item.fspath).relative_to(tests).as_posix(), len(rank))
+
+    items.sort(key=key)
