@@ -244,11 +244,14 @@ class AsyncTimer:
 
 def _covered(spans: list[tuple[float, float]]) -> float:
     """The time the union of ``(start, end)`` spans covers. A watcher thread that a busy
-    host wakes late records an op's end after the next op of its stage started; summing
-    the spans would then count that overlap twice (a negative bubble)."""
+    host wakes late records an op's end after the next op of its stage started (summing
+    the spans would count that overlap twice: a negative bubble), or after the end of an
+    op that waited for it (whose start, the later of the two, then falls after its own
+    end: such a span covers nothing)."""
     total, reach = 0.0, float("-inf")
     for start, end in sorted(spans):
-        if end > reach:
-            total += end - max(start, reach)
+        begin = max(start, reach)
+        if end > begin:
+            total += end - begin
             reach = end
     return total

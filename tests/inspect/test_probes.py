@@ -89,3 +89,4 @@ def test_overlapping_spans_of_one_stage_count_once():
     assert _covered([(0.0, 2.0), (1.0, 3.0), (5.0, 6.0)]) == 4.0
     assert _covered([(1.0, 3.0), (0.0, 4.0)]) == 4.0
     assert _covered([]) == 0.0
+    assert _covered([(0.0, 1.0), (3.0, 2.0)]) == 1.0  # a start after its end: nothing
