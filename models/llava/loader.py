@@ -113,6 +113,7 @@ class LlavaData:
     image_budget = ""  # where config.images_per_row came from (models.llava.run.build)
     loss_budget = ""  # where config.loss_tokens_per_row came from
     samples_budget = ""  # where config.samples_per_row came from
+    record_file: type = RecordFile  # what reads and indexes one file of records
 
     def __init__(
         self,
@@ -129,8 +130,15 @@ class LlavaData:
                 f"{tokenizer.path} (vocabulary {tokenizer.vocab_size}); give the tokenizer an "
                 "<image> token or the model an image_token_id outside the vocabulary"
             )
+        self._open(sources, tokenizer, processor, config, image_folder)
+
+    def _open(self, sources, tokenizer, processor, config, image_folder) -> None:
+        """Indexes every source with :attr:`record_file` (bad records counted); the
+        attributes :meth:`draw` and :meth:`load` read. Raises ValueError: a file with no
+        usable record."""
         self.files = [
-            RecordFile(p, image_folder=image_folder, skip_bad=config.skip_bad) for p, _ in sources
+            self.record_file(p, image_folder=image_folder, skip_bad=config.skip_bad)
+            for p, _ in sources
         ]
         self.weights = np.asarray([w for _, w in sources], np.float64)
         self.tokenizer, self.processor, self.config = tokenizer, processor, config

@@ -20,7 +20,6 @@ orders them by tokens for the LLM's ranks and by patches for the tower's.
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import dataclasses
 from collections.abc import Sequence
@@ -85,6 +84,7 @@ class QwenData(LlavaData):
     """
 
     patch_budget = ""  # where config.patches_per_row came from (build)
+    record_file = QwenRecordFile
 
     def __init__(
         self,
@@ -96,19 +96,7 @@ class QwenData(LlavaData):
         image_folder: str | None = None,
     ):
         self.tokens = QwenTokens.of(tokenizer)
-        self.files = [
-            QwenRecordFile(p, image_folder=image_folder, skip_bad=config.skip_bad)
-            for p, _ in sources
-        ]
-        self.weights = np.asarray([w for _, w in sources], np.float64)
-        self.tokenizer, self.processor, self.config = tokenizer, processor, config
-        for f in self.files:
-            if len(f) == 0:
-                raise ValueError(f"{f.path} has no usable record")
-        self.index_bad: dict[str, int] = collections.Counter()
-        for f in self.files:
-            self.index_bad.update(f.bad)
-        self._perms: dict[tuple[int, int], np.ndarray] = {}
+        self._open(sources, tokenizer, processor, config, image_folder)
 
     def _frames(self, record: dict, kind: str, path: str) -> tuple[list[str], float | None]:
         """The files of one image or video, and a video's seconds per temporal patch."""
