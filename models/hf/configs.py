@@ -39,6 +39,11 @@ def llm_config(text: Mapping[str, Any]) -> LLMConfig:
         raise HFError(f"llama with hidden_act={text['hidden_act']!r}: only silu")
     if text.get("tie_word_embeddings"):
         raise HFError("tie_word_embeddings=true is not supported: untie the LM head first")
+    return decoder_config(text, _rope_theta(text))
+
+
+def decoder_config(text: Mapping[str, Any], rope_theta: float) -> LLMConfig:
+    """The decoder's shape from a ``text_config`` (Llama's keys, which Qwen2 shares)."""
     width, heads = text["hidden_size"], text["num_attention_heads"]
     head_dim = text.get("head_dim") or width // heads
     if head_dim * heads != width:
@@ -50,7 +55,7 @@ def llm_config(text: Mapping[str, Any]) -> LLMConfig:
         heads=heads,
         kv_heads=text.get("num_key_value_heads") or heads,
         mlp=text["intermediate_size"],
-        rope_theta=_rope_theta(text),
+        rope_theta=rope_theta,
         norm_eps=float(text.get("rms_norm_eps", 1e-6)),
     )
 

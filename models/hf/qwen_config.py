@@ -13,9 +13,10 @@ import pathlib
 from collections.abc import Mapping
 from typing import Any
 
-from models.config import LLMConfig, MLLMConfig
+from models.config import MLLMConfig
 from models.qwen.config import QwenVisionConfig
 
+from .configs import decoder_config
 from .errors import HFError
 from .files import read_config
 
@@ -54,27 +55,15 @@ def qwen_config(cfg: Mapping[str, Any], name: str = "hf-qwen2.5-vl") -> MLLMConf
     ):
         if act != "silu":
             raise HFError(f"Qwen2.5-VL {part} with hidden_act={act!r}: only silu")
-    width, heads = text["hidden_size"], text["num_attention_heads"]
-    if text.get("head_dim", width // heads) * heads != width:
-        raise HFError(f"head_dim={text['head_dim']} x {heads} heads != hidden_size={width}")
     theta, section = _rope(text, cfg)
-    llm = LLMConfig(
-        vocab=text["vocab_size"],
-        width=width,
-        depth=text["num_hidden_layers"],
-        heads=heads,
-        kv_heads=text.get("num_key_value_heads") or heads,
-        mlp=text["intermediate_size"],
-        rope_theta=theta,
-        norm_eps=float(text.get("rms_norm_eps", 1e-6)),
-    )
+    llm = decoder_config(text, theta)
     vision_rope = vision.get("rope_parameters") or {}
     tower = QwenVisionConfig(
         width=vision["hidden_size"],
         depth=vision["depth"],
         heads=vision["num_heads"],
         mlp=vision["intermediate_size"],
-        out_width=vision.get("out_hidden_size", width),
+        out_width=vision.get("out_hidden_size", llm.width),
         patch=vision.get("patch_size", 14),
         temporal_patch=vision.get("temporal_patch_size", 2),
         merge=vision.get("spatial_merge_size", 2),
@@ -88,8 +77,8 @@ def qwen_config(cfg: Mapping[str, Any], name: str = "hf-qwen2.5-vl") -> MLLMConf
         vision_start_token_id=cfg.get("vision_start_token_id", 151652),
         vision_end_token_id=cfg.get("vision_end_token_id", 151653),
     )
-    if tower.out_width != width:
-        raise HFError(f"vision out_hidden_size={tower.out_width} != text hidden_size={width}")
+    if tower.out_width != llm.width:
+        raise HFError(f"vision out_hidden_size={tower.out_width} != text hidden_size={llm.width}")
     return MLLMConfig(
         name,
         llm=llm,
