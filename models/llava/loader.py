@@ -205,13 +205,7 @@ class LlavaData:
                     where,
                     f"longer than seq_len={c.seq_len} and the cut falls in an image's tokens",
                 )
-        budget = c.loss_tokens_per_row
-        if budget is not None and rows_lib.supervised_targets(sup) > budget:
-            raise BadSample(
-                "too_many_loss_tokens",
-                where,
-                f"{rows_lib.supervised_targets(sup)} supervised tokens, rows hold {budget}",
-            )
+        check_loss_tokens(sup, c.loss_tokens_per_row, where)
         images: list[np.ndarray | Pending] = []
         for p in paths:
             try:
@@ -274,6 +268,16 @@ def _attempt(data: LlavaData, s: int, j: int, decode: bool) -> Sample | BadSampl
         return data.load(s, j, decode=decode)
     except BadSample as e:
         return e
+
+
+def check_loss_tokens(sup: np.ndarray, budget: int | None, where: str) -> None:
+    """Raises :class:`BadSample` (``too_many_loss_tokens``) when a record supervises more
+    tokens than a row's loss budget holds (``None``: no budget)."""
+    if budget is None:
+        return
+    n = rows_lib.supervised_targets(sup)
+    if n > budget:
+        raise BadSample("too_many_loss_tokens", where, f"{n} supervised tokens, rows hold {budget}")
 
 
 class Loader:

@@ -165,10 +165,24 @@ def render(
             ids += [placeholder] * image_tokens
             sup += [0.0] * image_tokens
             offset += len(IMAGE_TAG)
-        piece_ids, offsets = tokenizer.encode(piece) if piece else ([], [])
-        for tid, (a, b) in zip(piece_ids, offsets, strict=True):
-            a, b = a + offset, max(b, a + 1) + offset
-            ids.append(tid)
-            sup.append(float(any(a < e and s < b for s, e in spans)))
-        offset += len(piece)
+        offset = encode_piece(tokenizer, piece, offset, spans, ids, sup)
     return np.asarray(ids, np.int32), np.asarray(sup, np.float32)
+
+
+def encode_piece(
+    tokenizer: HFTokenizer,
+    piece: str,
+    offset: int,
+    spans: list[tuple[int, int]],
+    ids: list[int],
+    sup: list[float],
+) -> int:
+    """Appends ``piece``'s token ids to ``ids`` and their supervision to ``sup``: a token
+    is supervised when its characters (``piece`` starts at ``offset`` of the formatted
+    conversation) overlap a supervised span. Returns the offset after ``piece``."""
+    piece_ids, offsets = tokenizer.encode(piece) if piece else ([], [])
+    for tid, (a, b) in zip(piece_ids, offsets, strict=True):
+        a, b = a + offset, max(b, a + 1) + offset
+        ids.append(tid)
+        sup.append(float(any(a < e and s < b for s, e in spans)))
+    return offset + len(piece)

@@ -30,7 +30,7 @@ import numpy as np
 from models.config import MLLMConfig
 from models.llava import rows as rows_lib
 from models.llava import run as llava_run
-from models.llava.loader import Batch, LlavaData, Loader
+from models.llava.loader import Batch, LlavaData, Loader, check_loss_tokens
 from models.llava.records import BadSample
 from models.llava.text import HFTokenizer
 
@@ -141,13 +141,7 @@ class QwenData(LlavaData):
                     f"longer than seq_len={c.seq_len} and the cut falls in an image's or "
                     "video's tokens",
                 )
-        budget = c.loss_tokens_per_row
-        if budget is not None and rows_lib.supervised_targets(sup) > budget:
-            raise BadSample(
-                "too_many_loss_tokens",
-                where,
-                f"{rows_lib.supervised_targets(sup)} supervised tokens, rows hold {budget}",
-            )
+        check_loss_tokens(sup, c.loss_tokens_per_row, where)
         patches = sum(t * h * w for t, h, w in grid_list)
         if c.patches_per_row is not None and patches > c.patches_per_row:
             raise BadSample(

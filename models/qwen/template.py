@@ -30,7 +30,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from models.llava.records import IMAGE_TAG, ROLES
-from models.llava.text import HFTokenizer
+from models.llava.text import HFTokenizer, encode_piece
 
 VIDEO_TAG = "<video>"
 DEFAULT_SYSTEM = "You are a helpful assistant."
@@ -126,11 +126,7 @@ def render(
             pad = tokens.image_pad if piece == IMAGE_TAG else tokens.video_pad
             ids += [pad] * media_tokens[k // 2]
             sup += [0.0] * media_tokens[k // 2]
-        elif piece:
-            piece_ids, offsets = tokenizer.encode(piece)
-            for tid, (a, b) in zip(piece_ids, offsets, strict=True):
-                a, b = a + offset, max(b, a + 1) + offset
-                ids.append(tid)
-                sup.append(float(any(a < e and s < b for s, e in spans)))
-        offset += len(piece)
+            offset += len(piece)
+        else:
+            offset = encode_piece(tokenizer, piece, offset, spans, ids, sup)
     return np.asarray(ids, np.int32), np.asarray(sup, np.float32)
