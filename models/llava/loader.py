@@ -295,6 +295,8 @@ class Loader:
     for an image of a local row that does not decode after its header read.
     """
 
+    setting_reasons = SETTING_REASONS  # bad records skipped even without skip_bad
+
     def __init__(
         self,
         data: LlavaData,
@@ -350,17 +352,8 @@ class Loader:
         while not packer.full:
             pos, sample = stream.peek()
             if isinstance(sample, BadSample):
-                if not (c.skip_bad or sample.reason in SETTING_REASONS):
-                    raise sample
-                state["bad"][sample.reason] = state["bad"].get(sample.reason, 0) + 1
+                self._skip(sample, state)
                 stream.pop()
-                self._bad_in_a_row += 1
-                if self._bad_in_a_row >= self._all_bad_after:
-                    reasons = ", ".join(f"{n} {r}" for r, n in summary_counts(state).items())
-                    raise ValueError(
-                        f"every record was skipped ({reasons}): fix the records or the "
-                        "settings that skip them"
-                    )
                 continue
             self._bad_in_a_row = 0
             if not packer.add(sample):
@@ -378,6 +371,22 @@ class Loader:
         else:
             metrics["images_decoded"] = float(self._decode_local(packer.pending, order, arrays))
         return Batch(arrays, metrics, {**state, "bad": dict(state["bad"])})
+
+    def _skip(self, sample: BadSample, state: dict[str, Any]) -> None:
+        """Counts a bad record in ``state`` (raises it unless ``skip_bad`` or a setting
+        caused it); stops with one line once every record has been skipped in a row (the
+        stream would draw forever)."""
+        c = self.data.config
+        if not (c.skip_bad or sample.reason in self.setting_reasons):
+            raise sample
+        state["bad"][sample.reason] = state["bad"].get(sample.reason, 0) + 1
+        self._bad_in_a_row += 1
+        if self._bad_in_a_row >= self._all_bad_after:
+            reasons = ", ".join(f"{n} {r}" for r, n in summary_counts(state).items())
+            raise ValueError(
+                f"every record was skipped ({reasons}): fix the records or the settings "
+                "that skip them"
+            )
 
     def _decode_local(self, pending: list, order: np.ndarray, arrays: dict) -> int:
         """Decodes the pending images of this process's rows into ``arrays["images"]``

@@ -184,16 +184,17 @@ class QwenLoader(Loader):
     """:class:`models.llava.loader.Loader` over :class:`QwenData`: a step's rows are its
     next ``global_batch`` good samples (every image decoded by the workers)."""
 
+    setting_reasons = SETTING_REASONS
+
     def _build(self, stream, state: dict[str, Any]) -> Batch:
         c = self.data.config
         samples: list[QwenSample] = []
         while len(samples) < c.global_batch:
             _, sample = stream.peek()
             if isinstance(sample, BadSample):
-                if not (c.skip_bad or sample.reason in SETTING_REASONS):
-                    raise sample
-                state["bad"][sample.reason] = state["bad"].get(sample.reason, 0) + 1
+                self._skip(sample, state)
             else:
+                self._bad_in_a_row = 0
                 state["truncated"] += int(sample.truncated)
                 samples.append(sample)
             stream.pop()

@@ -183,6 +183,20 @@ def test_bad_records_are_one_line_or_skipped(made, tmp_path):
         stream.close()
 
 
+def test_data_whose_every_record_is_skipped_stops_in_one_line(made, tmp_path):
+    """With ``skip_bad`` and nothing good left, the loader stops (it drew forever)."""
+    (tmp_path / "media").mkdir()
+    (tmp_path / "media" / "junk.png").write_bytes(b"not an image")
+    junk = {"id": "junk", "image": "junk.png", "conversations": _turns("<image>", "x")}
+    made = {**made, "media": str(tmp_path / "media")}
+    stream = loader.QwenStream(_data(made, [junk], tmp_path, skip_bad_samples=True), (1, 1, 1))
+    try:
+        with pytest.raises(ValueError, match=r"^every record was skipped \(\d+ undecodable"):
+            stream.batch(0)
+    finally:
+        stream.close()
+
+
 def test_trains_on_records(made, tmp_path):
     """``llava_train --model qwen2.5-vl-tiny --data ... --template qwen2_vl`` trains two
     steps on images of several sizes, two-image records, videos and text only."""
