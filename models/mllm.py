@@ -36,10 +36,10 @@ MODALITIES = {
 PACKED_KEYS = ("segment_ids", "positions")
 
 
-def check_trainable(config: MLLMConfig) -> MLLMConfig:
-    """``config``, if :class:`MLLM` (and so LLaVA's task) can build it; a one-line error
-    for Qwen2.5-VL (:mod:`models.qwen`: the trainer takes its presets and Hugging Face
-    directories through :class:`models.qwen.task.QwenTask`)."""
+def check_llava(config: MLLMConfig) -> MLLMConfig:
+    """``config``, if it is an LLaVA-style model, which :class:`MLLM` (and so LLaVA's task)
+    builds; a one-line error for Qwen2.5-VL (:mod:`models.qwen`: the trainer takes its
+    presets and Hugging Face directories through :class:`models.qwen.task.QwenTask`)."""
     if config.vision is not None and config.vision.kind == "qwen2_5_vl":
         raise ValueError(
             f"model {config.name!r} (Qwen2.5-VL) is not an LLaVA model: train a qwen2.5-vl "
@@ -86,7 +86,7 @@ class MLLM:
     ):
         if config.shape_only:
             raise ValueError(f"preset {config.name!r} is shape-only (planning); not runnable")
-        check_trainable(config)
+        check_llava(config)
         if max_segments is not None and not packed:
             raise ValueError("MLLM: max_segments bounds packed rows; pass packed=True")
         self.config = config

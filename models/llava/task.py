@@ -24,7 +24,7 @@ from hetjax.runtime import flops as flops_lib
 from hetjax.runtime.graph import TrainGraph
 from models.config import MLLMConfig, config_to_dict, get_preset
 from models.data import SyntheticConfig, SyntheticLlava
-from models.mllm import MLLM, check_trainable
+from models.mllm import MLLM, check_llava
 
 
 class LlavaTask:
@@ -276,8 +276,8 @@ def model_config(m: Any) -> MLLMConfig:
     if m.init_from:
         from models import hf
 
-        return check_trainable(hf.llava_config_of(m.init_from))
-    preset = check_trainable(get_preset(m.preset))
+        return check_llava(hf.llava_config_of(m.init_from))
+    preset = check_llava(get_preset(m.preset))
     if m.init:
         from models import hf
 
