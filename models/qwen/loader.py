@@ -98,35 +98,40 @@ class QwenData(LlavaData):
         self.tokens = QwenTokens.of(tokenizer)
         self._open(sources, tokenizer, processor, config, image_folder)
 
-    def _frames(self, record: dict, kind: str, path: str) -> tuple[list[str], float | None]:
-        """The files of one image or video, and a video's seconds per temporal patch."""
+    def _media(self, record: dict, kind: str, path: str) -> tuple[Any, tuple, float | None]:
+        """One image (its path) or video (a :class:`~models.qwen.video.Clip`), its grid
+        from headers, and a video's seconds per temporal patch."""
+        p = self.processor
         if kind == "image":
-            return [path], None
-        c, v = self.config, self.processor.vision
-        fps = record.get("fps", c.video_fps)
-        if isinstance(fps, bool) or not isinstance(fps, (int, float)) or fps <= 0:
+            return path, p.grid([p.size(path)]), None
+        c = self.config
+        fps = record.get("fps")
+        bad = isinstance(fps, bool) or not isinstance(fps, (int, float, type(None)))
+        if bad or (fps is not None and fps <= 0):
             raise ValueError(f"'fps' must be a positive number, not {fps!r}")
-        files = video.frame_files(path)
-        s = video.sample_frames(len(files), float(fps), c.video_fps, c.max_frames, v.temporal_patch)
-        return [files[i] for i in s.indices], s.second_per_grid
+        clip = video.open_clip(path, fps, c.video_fps, c.max_frames, p.vision.temporal_patch)
+        grid = p.grid([clip.size], len(clip.sampled.indices))
+        return clip, grid, clip.sampled.second_per_grid
 
     def load(self, s: int, j: int, *, decode: bool = True, slots: int | None = None) -> QwenSample:
         """Record ``j`` of file ``s`` as a sample; raises :class:`BadSample`.
 
         ``decode=False``: only headers are read (sizes, hence grids and token counts;
         a file that is no image is a bad record either way) and no row is built."""
-        c, v, p = self.config, self.processor.vision, self.processor
+        c, v = self.config, self.processor.vision
         record, media, where = self.files[s].read(j)
-        frames, seconds, grid_list = [], [], []
+        items, seconds, grid_list = [], [], []
         for kind, path in media:
             try:
-                files, sec = self._frames(record, kind, path)
-                grid_list.append(p.grid([p.size(f) for f in files[:1]], len(files)))
+                item, grid, sec = self._media(record, kind, path)
+            except video.NoDecoder:
+                raise
             except (OSError, ValueError) as e:
                 raise BadSample(
                     f"undecodable_{kind}", where, f"{kind} {path} does not decode: {e}"
                 ) from None
-            frames.append(files)
+            items.append(item)
+            grid_list.append(grid)
             seconds.append(sec)
         counts = [t * h * w // v.merge_unit for t, h, w in grid_list]
         ids, sup = render(record["conversations"], self.tokenizer, self.tokens, counts)
@@ -149,16 +154,21 @@ class QwenData(LlavaData):
             )
         sample = QwenSample(ids, sup, list(media), truncated, patches, None)
         if decode:
-            sample.row = self._row(sample, frames, grid_list, seconds, where)
+            sample.row = self._row(sample, items, grid_list, seconds, where)
         return sample
 
-    def _row(self, sample: QwenSample, frames, grid_list, seconds, where: str) -> dict:
+    def _row(self, sample: QwenSample, media, grid_list, seconds, where: str) -> dict:
         """The sample's batch row: its pixels decoded, its positions laid out."""
         c, v, t = self.config, self.processor.vision, self.tokens
         items = []
-        for (kind, path), files in zip(sample.images, frames, strict=True):
+        for (kind, path), item in zip(sample.images, media, strict=True):
             try:
-                items.append(self.processor.frames(files))
+                if kind == "image":
+                    items.append(self.processor(item))
+                else:
+                    items.append(self.processor.images(item.frames()))
+            except video.NoDecoder:
+                raise
             except (OSError, ValueError) as e:
                 raise BadSample(
                     f"undecodable_{kind}", where, f"{kind} {path} does not decode: {e}"

@@ -114,7 +114,7 @@ class QwenImageProcessor:
         return self.frames([path])
 
     def frames(self, paths: Sequence[str]) -> tuple[np.ndarray, tuple[int, int, int]]:
-        """Frames (one image, or a video's sampled frames) -> patches and grid."""
+        """Frame files (one image, or a video's sampled frames) -> patches and grid."""
         from PIL import Image
 
         pixels, sizes = [], []
@@ -125,6 +125,13 @@ class QwenImageProcessor:
                 _check_sizes(sizes)
                 pixels.append(self.transform(im, self.resized(*sizes[0])))
         return patchify(self.vision, np.stack(pixels))
+
+    def images(self, frames: Sequence) -> tuple[np.ndarray, tuple[int, int, int]]:
+        """Decoded frames (``PIL.Image``s, e.g. a video file's) -> patches and grid."""
+        sizes = [(im.size[1], im.size[0]) for im in frames]
+        _check_sizes(sizes)
+        size = self.resized(*sizes[0])
+        return patchify(self.vision, np.stack([self.transform(im, size) for im in frames]))
 
     def transform(self, im, size: tuple[int, int]) -> np.ndarray:
         """An open ``PIL.Image`` -> ``[height, width, C]`` float32 at ``size``, normalised."""

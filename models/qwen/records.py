@@ -2,7 +2,7 @@
 
 :class:`QwenRecordFile` is :class:`models.llava.records.RecordFile` (the byte-offset
 index, read on demand, bad records skipped and counted) with one more field: ``video``,
-a frames folder or a list of them (:mod:`models.qwen.video`), each marked by a
+a video file or frames folder, or a list of them (:mod:`models.qwen.video`), each marked by a
 ``<video>`` in a user turn as ``<image>`` marks an image. ``fps`` (optional) is the rate
 the record's frames were extracted at. Images and videos may interleave; the markers'
 order is the order the tower reads them.
@@ -20,7 +20,7 @@ from .template import VIDEO_TAG, markers
 QWEN_REASONS = {
     **REASONS,
     "image_count": "<image>/<video> tags != images/videos",
-    "missing_video": "missing video frames folder",
+    "missing_video": "missing video file or frames folder",
     "undecodable_video": "undecodable video",
     "image_truncated": "truncation would cut an image or video",
     "too_many_patches": "more patches than data.max_patches_per_microbatch allows per row",
@@ -28,7 +28,8 @@ QWEN_REASONS = {
 
 
 def video_paths(record: dict[str, Any]) -> list[str]:
-    """The record's video folders in ``<video>`` order (a path or a list)."""
+    """The record's videos (files or frames folders) in ``<video>`` order (a path or a
+    list)."""
     video = record.get("video")
     if video is None:
         return []
@@ -65,8 +66,8 @@ class QwenRecordFile(RecordFile):
                 full = resolve_image(p, self.image_folder)
             except ValueError as e:
                 raise BadSample("image_outside_folder", where, str(e)) from None
-            if not os.path.isdir(full):
-                problem = f"video frames folder {full} does not exist"
+            if not os.path.exists(full):
+                problem = f"video {full} does not exist (give a video file or a frames folder)"
                 raise BadSample("missing_video", where, problem)
             resolved.append(full)
         videos_it = iter(resolved)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import sys
 
 import numpy as np
 import pytest
@@ -146,6 +147,67 @@ def test_video_folder_record(made, tmp_path):
     types = grids.token_types(sample.ids, t.image_pad, t.video_pad)
     want = grids.rope_positions(TINY.vision, types, [grid], [1.0])
     np.testing.assert_array_equal(row["mrope_positions"][: len(sample.ids)], want.T)
+
+
+def _write_video(path: pathlib.Path, codec: str, frames: int = 7, rate: int = 3) -> None:
+    """A 64x48 clip at ``rate`` fps whose frame ``f`` is red ``30 f`` over a green left half."""
+    import av
+
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream(codec, rate=rate)
+        stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
+        for f in range(frames):
+            x = np.zeros((48, 64, 3), np.uint8)
+            x[..., 0], x[:, :32, 1] = 30 * f, 200
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(x, format="rgb24")))
+        container.mux(stream.encode())
+
+
+@pytest.mark.parametrize("codec, name", [("mpeg4", "clip.mp4"), ("libvpx", "clip.webm")])
+def test_video_file_record(made, tmp_path, codec, name):
+    """A 7-frame 3 fps file sampled at 2 fps takes frames 0, 1, 3, 5 (transformers'
+    sample_frames); the row's patches are those frames decoded straight with PyAV and
+    processed. WebM stores no frame count: the frames are counted by decoding."""
+    import av
+
+    media = tmp_path / "media"
+    media.mkdir()
+    _write_video(media / name, codec)
+    rec = {"id": "f", "video": name, "conversations": _turns("<video>\nWhat?", "red")}
+    data = _data({**made, "media": str(media)}, [rec], tmp_path)
+    clip = video.open_clip(str(media / name), None, 2.0, 768)
+    assert clip.sampled.indices.tolist() == [0, 1, 3, 5] and clip.size == (48, 64)
+    assert clip.sampled.second_per_grid == 2 / (4 / 7 * 3)
+    with av.open(str(media / name)) as c:
+        direct = [f.to_image() for i, f in enumerate(c.decode(video=0)) if i in (0, 1, 3, 5)]
+    patches, grid = data.processor.images(direct)
+    assert grid == (2, 4, 4)  # 48x64 -> 56x56
+    row = data.load(0, 0).row
+    np.testing.assert_array_equal(row["patches"][: len(patches)], patches)
+    assert (row["frame_ids"][: len(patches)] == np.repeat([0, 1], 16)).all()
+    assert (row["frame_ids"][len(patches) :] == -1).all()
+
+
+def test_bad_video_files_are_one_line(made, tmp_path, monkeypatch):
+    """A file FFmpeg does not read, or one frame: one line naming the record (skipped and
+    counted with skip_bad); no PyAV: one line naming the extra to install."""
+    media = tmp_path / "media"
+    media.mkdir()
+    (media / "junk.mp4").write_bytes(b"not a video")
+    _write_video(media / "one.mp4", "mpeg4", frames=1)
+    recs = [
+        {"id": name, "video": f"{name}.mp4", "conversations": _turns("<video>", "x")}
+        for name in ("junk", "one")
+    ]
+    recs.append({"id": "g", "conversations": _turns("two?", "two")})
+    data = _data({**made, "media": str(media)}, recs, tmp_path, skip_bad_samples=True)
+    with pytest.raises(BadSample, match=r"record 0 \(id junk\): video .*junk.mp4 does not "):
+        data.load(0, 0)
+    with pytest.raises(BadSample, match=r"record 1 \(id one\): .*1 frame\(s\): a video needs"):
+        data.load(0, 1)
+    monkeypatch.setitem(sys.modules, "av", None)
+    with pytest.raises(video.NoDecoder, match=r"^video files are decoded with PyAV, .*: pip inst"):
+        data.load(0, 1)
 
 
 def test_bad_records_are_one_line_or_skipped(made, tmp_path):
