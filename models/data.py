@@ -62,9 +62,13 @@ class SyntheticConfig:
     audio_tokens: int = 0  # placeholder positions per clip (0: no audio modality)
     seed: int = 0
     image_token_id: int = tokenizer.IMAGE  # the model's image placeholder id
+    max_images: int = 1  # image slots per sample; above 1 a sample has 0 to max_images
+    # images (uniform; images [B, K, H, W, C], unused slots zero), as multi-image data
 
     @classmethod
-    def for_model(cls, cfg: MLLMConfig, *, seq_len: int, seed: int) -> SyntheticConfig:
+    def for_model(
+        cls, cfg: MLLMConfig, *, seq_len: int, seed: int, max_images: int = 1
+    ) -> SyntheticConfig:
         if cfg.llm.vocab < TOKENIZER_VOCAB:
             raise ValueError(
                 f"the synthetic data's byte tokenizer needs a vocabulary of {TOKENIZER_VOCAB} "
@@ -81,14 +85,17 @@ class SyntheticConfig:
             audio_tokens=a.num_tokens if a else 0,
             seed=seed,
             image_token_id=tokenizer.IMAGE if cfg.image_token_id is None else cfg.image_token_id,
+            max_images=max_images,
         )
 
     @property
     def tasks(self) -> tuple[tuple[str, str], ...]:
         return IMAGE_TASKS + (AUDIO_TASKS if self.audio_tokens else ())
 
-    def prompt(self, question: str) -> str:
-        tags = ("<image>" if self.image_tokens else "") + ("<audio>" if self.audio_tokens else "")
+    def prompt(self, question: str, images: int = 1) -> str:
+        tags = ("<image>" * images if self.image_tokens else "") + (
+            "<audio>" if self.audio_tokens else ""
+        )
         return f"{tags}\n{question}\n"
 
     def _tokens_per_tag(self) -> dict[str, int]:
@@ -98,7 +105,11 @@ class SyntheticConfig:
         """Longest BOS + prompt + answer + EOS over all tasks and contents."""
         return max(
             2
-            + len(tokenizer.encode(self.prompt(q), tokens_per_tag=self._tokens_per_tag()))
+            + len(
+                tokenizer.encode(
+                    self.prompt(q, self.max_images), tokens_per_tag=self._tokens_per_tag()
+                )
+            )
             + len(tokenizer.encode(a.format(**LONGEST)))
             for q, a in self.tasks
         )
@@ -109,6 +120,8 @@ class SyntheticConfig:
         return max(len(tokenizer.encode(a.format(**LONGEST))) for _, a in self.tasks) + 1
 
     def validate(self) -> None:
+        if self.max_images < 1:
+            raise ValueError(f"max_images={self.max_images} must be at least 1")
         if self.seed < 0:  # numpy.random.default_rng([seed, index]) rejects it mid-run
             raise ValueError(
                 f"seed={self.seed}: the data seed must be a non-negative integer; "
@@ -148,7 +161,15 @@ class SyntheticLlava:
         if c.audio_tokens:
             out["audio"] = self._audio(rng, pitch)
         question, answer = c.tasks[task]
-        prompt_ids = tokenizer.encode(c.prompt(question), tokens_per_tag=c._tokens_per_tag())
+        images = 1
+        if c.image_tokens and c.max_images > 1:  # 0 to max_images images, slots zero-padded
+            images = int(rng.integers(c.max_images + 1))
+            slots = np.zeros((c.max_images, *out["images"].shape), np.float32)
+            for k in range(images):
+                slots[k] = out["images"] if k == 0 else self._image(rng, color, quadrant)
+            out["images"] = slots
+        prompt = c.prompt(question, images)
+        prompt_ids = tokenizer.encode(prompt, tokens_per_tag=c._tokens_per_tag())
         answer_ids = tokenizer.encode(
             answer.format(color=color, position=POSITIONS[quadrant], pitch=PITCHES[pitch])
         )

@@ -255,6 +255,7 @@ class MLLM:
                     parts=(self.modules[enc_name], self.modules[proj_name]),
                     layout=layouts[enc_name],
                     inputs=(key,),
+                    input_slots=self.images_per_row if modality == "image" else 1,
                 )
             )
             links.append(Link(enc_name, "llm", modality))

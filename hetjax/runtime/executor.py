@@ -225,6 +225,7 @@ class Executor:
             routed=self.plan.routed,
             links=self.links,
             cp={m.name: m.layout.cp for m in self.graph.modules},
+            rebalance=tuple(map(self.graph.module, self.plan.rebalance)),
         )
         params = self.state.params
         acc = {}
@@ -300,7 +301,7 @@ class Executor:
         if self.offload_encoders and phase == 1:  # no encoder backward ran (all frozen)
             self._move_encoders("device")
         values, (keys, on_host) = self._finish(acc, losses, normalizer).tree_flatten()
-        skipped = {f"skipped/{n}": float(n in absent) for n in self.skippable}
+        skipped = {f"skipped/{n}": float(n in absent) for n in self.skippable} | feed.metrics
         return StepMetrics({**dict(zip(keys, values, strict=True)), **skipped}, on_host=on_host)
 
     def ops_without(self, absent: frozenset[str]) -> tuple[Op, ...]:

@@ -9,7 +9,8 @@ which global rows those shards cover, so a data loader can read only those. For 
 into a ``cp > 1`` module that merges tokens into placeholders it computes, once per
 step, which tokens each cp rank receives (:mod:`hetjax.ops.token_routing`).
 :func:`absent_modules` says which encoders a batch gives nothing to do (no image), so the
-step leaves them out (:func:`hetjax.schedules.without_modules`).
+step leaves them out (:func:`hetjax.schedules.without_modules`). A rebalanced encoder's
+inputs are laid out in its step's balanced slot order (:mod:`hetjax.runtime.rebalance`).
 """
 
 from __future__ import annotations
@@ -18,13 +19,14 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 
 from hetjax.meshes import batch_sharding, zigzag_permutation
 from hetjax.ops.token_routing import exchange_routes, token_routes
-from hetjax.runtime.graph import Link, TrainGraph
+from hetjax.runtime.graph import Link, ModuleSpec, TrainGraph
 from hetjax.runtime.placement import put_global
 from hetjax.runtime.programs import StageProgram
+from hetjax.runtime.rebalance import Rebalance, batch_ranks
 from hetjax.runtime.transfer import LinkTransfer, Route
 
 
@@ -37,6 +39,7 @@ class Feed:
         routed: link ``(src, dst)`` -> ``(batch key of the placeholders, placeholder id)``.
         links: the link transfers, for where a route's arrays live.
         cp: module -> its context-parallel degree.
+        rebalance: the modules whose slots are balanced over their batch ranks.
     """
 
     def __init__(
@@ -47,21 +50,52 @@ class Feed:
         routed: Mapping[tuple[str, str], tuple[str, int]],
         links: Mapping[tuple[str, str], LinkTransfer],
         cp: Mapping[str, int],
+        rebalance: Sequence[ModuleSpec] = (),
     ):
         self.batch = batch
         self.microbatches = microbatches
         self.size = next(iter(batch.values())).shape[0] // microbatches
         self._routed, self._links, self._cp = routed, links, cp
         self._routes: dict[tuple[str, str], list[Route]] = {}
+        if rebalance and jax.process_count() > 1:
+            raise ValueError(
+                "rebalance runs in one process only (a process reads only its own rows); "
+                "drop parallel.rebalance"
+            )
+        self._rebalance = {spec.name: spec for spec in rebalance}
+        self._balanced: dict[str, Rebalance | None] = {}
 
     def inputs(self, prog: StageProgram, m: int) -> dict[str, jax.Array]:
         """Microbatch ``m`` of the batch keys stage ``prog`` reads, on its mesh."""
         out = {}
+        balanced = self.balanced(prog.spec.name, prog.mesh) if prog.first else None
         for k in prog.batch_keys:
             value = self.batch[k][m * self.size : (m + 1) * self.size]
+            if balanced is not None and k in prog.spec.inputs:
+                value = balanced.inputs(value, m)
             if k in prog.spec.seq_inputs and prog.spec.layout.cp > 1:  # stored load-balanced
                 value = value[:, zigzag_permutation(value.shape[1], prog.spec.layout.cp)]
             out[k] = put_global(value, input_sharding(prog, k, value.ndim))
+        return out
+
+    def balanced(self, module: str, mesh: Mesh | None = None) -> Rebalance | None:
+        """The step's balanced slot order of ``module`` (made on the first call, with its
+        ``mesh``), or ``None`` where it is not rebalanced or has one batch rank."""
+        if module not in self._balanced and mesh is not None:
+            spec, ranks = self._rebalance.get(module), batch_ranks(mesh)
+            if spec is not None and ranks > 1:
+                self._balanced[module] = Rebalance(spec, self.batch, self.microbatches, ranks)
+        return self._balanced.get(module)
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        """Every rebalanced module's ``imbalance/``, ``imbalance_without/`` and
+        ``rebalance_bytes/`` metrics (:meth:`Rebalance.metrics`; a module the step left
+        out, or with one batch rank, has nothing to balance)."""
+        out = {}
+        for name in self._rebalance:
+            b = self._balanced.get(name)
+            out.update(b.metrics(name) if b else Rebalance.idle_metrics(name))
         return out
 
     def route(self, link: tuple[str, str], m: int, num_tokens: int) -> Route | None:

@@ -52,6 +52,8 @@ class ModuleSpec:
     parts: tuple[StagedModule, ...]  # run in order; parts[0]'s blocks are pipelined
     layout: Layout  # this module's dp / tp / cp / pp / ep
     inputs: tuple[str, ...] = ()  # batch keys passed positionally to parts[0].pre
+    input_slots: int = 1  # items per row on dim 1 of each input (a row's image slots);
+    # the output's dim 1 is that many equal blocks in slot order (what rebalance deals)
     loss_inputs: tuple[str, ...] = ()  # batch keys passed to the sink's post after h
     block_inputs: tuple[str, ...] = ()  # batch keys passed by name to parts[0]'s blocks on
     # every pipeline stage (packed rows' segment_ids and positions)

@@ -26,6 +26,7 @@ from hetjax.meshes import (
     module_positions,
     validate_batch,
 )
+from hetjax.runtime.feed import skippable_modules
 from hetjax.runtime.graph import TrainGraph
 from hetjax.runtime.lowering import (
     MODES,
@@ -37,6 +38,7 @@ from hetjax.runtime.lowering import (
     drop_frozen,
     lower,
 )
+from hetjax.runtime.rebalance import check_rebalance
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +58,8 @@ class RunPlan:
         routed: links ``(src, dst)`` into a cp > 1 module that merges them into
             placeholders -> ``(sequence batch key, placeholder id)``: each cp rank then
             receives only its own positions' tokens.
+        rebalance: encoders whose image slots are dealt evenly over their batch ranks
+            every step (:mod:`hetjax.runtime.rebalance`).
     """
 
     graph: TrainGraph
@@ -67,6 +71,7 @@ class RunPlan:
     ops: tuple[Op, ...]
     offload_encoders: bool = False
     routed: Mapping[tuple[str, str], tuple[str, int]] = dataclasses.field(default_factory=dict)
+    rebalance: tuple[str, ...] = ()
 
     @property
     def stage_keys(self) -> tuple[StageKey, ...]:
@@ -116,6 +121,7 @@ def plan_run(
     schedule: ScheduleOrder = "1f1b",
     offload_encoders: bool = False,
     global_batch: int | None = None,
+    rebalance: Sequence[str] = (),
 ) -> RunPlan:
     """Checks a run's settings and plans it (no devices, parameters or compiles needed).
 
@@ -132,6 +138,8 @@ def plan_run(
         schedule: ``"1f1b"`` or ``"gpipe"`` order of the pipelined part.
         offload_encoders: colocated only: encoder state in host memory in the LLM phase.
         global_batch: if given, also checks that every module's batch splits.
+        rebalance: encoders whose image slots are dealt evenly over their batch ranks
+            per step (:mod:`hetjax.runtime.rebalance`).
 
     Returns:
         The plan.
@@ -161,6 +169,8 @@ def plan_run(
         )
     if mode == "homogeneous":
         graph = homogeneous_graph(graph)
+    names = [m.name for m in graph.modules]
+    check_rebalance(tuple(rebalance), names, skippable_modules(graph))
     layouts = {m.name: m.layout for m in graph.modules}
     if mode == "non-colocated":  # island sizes, in placement order
         islands = island_positions(islands, layouts, num_devices)
@@ -187,4 +197,5 @@ def plan_run(
         ops=drop_frozen(lower(sched, fused=mode == "homogeneous"), graph),
         offload_encoders=offload_encoders,
         routed=routed,
+        rebalance=tuple(rebalance),
     )

@@ -8,7 +8,9 @@ communicator (:class:`~hetjax.runtime.transfer.LinkTransfer`) moves the activati
 the source's layout to the destination's and routes the gradient back. Into a
 ``cp > 1`` module that merges the tokens into placeholders, each cp rank receives only
 the tokens of the positions it stores (the route comes from the step's
-:class:`~hetjax.runtime.feed.Feed`).
+:class:`~hetjax.runtime.feed.Feed`). A rebalanced encoder's output returns to the
+consumer's sample order before its boundary, its cotangent after
+(:mod:`hetjax.runtime.rebalance`).
 
 Kept apart from the executor's walk over the ops: a send only needs the meshes, the
 stages' device sets, the in-flight guard it waits on and the observers it tells.
@@ -86,6 +88,7 @@ class Sends:
             self._inflight.wait(devices, transfer.boundary is not None)
             return transfer.forward(y)
         pair = (key[0], dst[0])
+        y = self._rebalanced(feed, key, y, op.microbatch, "forward")
         route = feed.route(pair, op.microbatch, y.shape[1])
         link = self.links[pair]
         self._observe(op, key, dst, y, lambda: link.moved_bytes(y, route, "forward"))
@@ -110,7 +113,20 @@ class Sends:
         self._observe(op, key, src, ct, lambda: link.moved_bytes(ct, route, "backward"))
         collective = link.collective(ct, route, "backward")
         self._inflight.wait(devices, collective)
-        return link.backward(ct, route), collective
+        back = self._rebalanced(feed, src, link.backward(ct, route), op.microbatch, "backward")
+        return back, collective or feed.balanced(src[0]) is not None
+
+    def _rebalanced(self, feed: Feed, key: StageKey, x: Any, m: int, direction: str) -> Any:
+        """``x`` (stage ``key``'s output, or its cotangent) moved between the consumer's
+        order and a rebalanced encoder's (:mod:`hetjax.runtime.rebalance`): an all-to-all
+        among the stage's devices, ordered by the in-flight guard."""
+        balanced = feed.balanced(key[0])
+        if balanced is None:
+            return x
+        self._inflight.wait(self.devices[key])
+        x = getattr(balanced, direction)(x, m)
+        self._inflight.hold(self.devices[key], x)
+        return x
 
     def _observe(self, op: Op, src: StageKey, dst: StageKey, value, nbytes) -> None:
         if self._observers.transfer:
