@@ -47,6 +47,7 @@ class Flag:
     metavar: str | None = None
     core: tuple[str, ...] = ()  # core parameter names for the same setting (errors)
     render: Callable[[Any], str] | None = None  # value -> flags, where not `name value`
+    repeat: bool = False  # a comma-separated text given once per item (--rebalance vision)
 
 
 def _placement(mode: str) -> str:
@@ -91,6 +92,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--max-frames", "data.max_frames", positive_int),
     Flag("--pack", "data.pack"),
     Flag("--balance", "data.balance"),
+    Flag("--synthetic-max-images", "data.synthetic_max_images", positive_int, metavar="N"),
     Flag("--skip-bad-samples", "data.skip_bad_samples"),
     Flag("--loader-workers", "data.workers", positive_int, metavar="N"),
     Flag("--prefetch", "data.prefetch", positive_int, metavar="N"),
@@ -128,6 +130,15 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--homogeneous", "parallel.homogeneous"),
     Flag("--schedule", "parallel.schedule", core=("schedule",)),
     Flag("--offload-encoder", "parallel.offload_encoder", core=("offload_encoders",)),
+    Flag(
+        "--rebalance",
+        "parallel.rebalance",
+        str,
+        metavar="MODULE",
+        help="deal an encoder's images evenly over its dp ranks each step, its outputs back "
+        "to the LLM's sample order by an all-to-all (repeatable), e.g. --rebalance vision",
+        repeat=True,
+    ),
     Flag("--timeline", "logging.timeline", str, metavar="PATH.png"),
     Flag("--tensorboard", "logging.tensorboard", str, metavar="DIR"),
     Flag("--profile-steps", "logging.profile_steps", str, metavar="A:B"),
@@ -185,7 +196,7 @@ def build_parser(prog: str, description: str) -> OneLineParser:
         metavar = flag.metavar or flag.name[2:].upper().replace("-", "_")
         if leaf.hint is bool:
             p.add_argument(flag.name, action=argparse.BooleanOptionalAction, **kind)
-        elif get_origin(leaf.hint) is dict:
+        elif get_origin(leaf.hint) is dict or flag.repeat:
             p.add_argument(flag.name, action="append", metavar=metavar, **kind)
         elif get_origin(leaf.hint) is Literal:
             p.add_argument(flag.name, choices=get_args(leaf.hint), **kind)
@@ -222,6 +233,8 @@ def resolve(path: str | None, given: Mapping[str, Any]) -> hc.TrainConfig:
         elif dotted == "parallel.recompute":  # a bare POLICY: every module not named
             value = [v if ":" in v else f"*:{v}" for v in value]
             value = hc.parse_module_items(value, path=dotted)
+        elif _LEAVES[dotted].hint is str and isinstance(value, list):  # a repeated flag
+            value = ",".join(value)
         elif get_origin(_LEAVES[dotted].hint) is dict:
             kind = get_args(_LEAVES[dotted].hint)[1]
             value = (
@@ -246,7 +259,7 @@ _LITERAL = r"\{[^{}]*\}|\[[^\[\]]*\]|'[^']*'|\"[^\"]*\"|-?\d+(?:\.\d+)?(?:e-?\d+
 # these, and dotted config paths, are translated on their own.
 _BARE = {
     *("islands", "offload_encoders", "num_devices", "coordinator", "num_processes"),
-    *("process_id", "freeze", "recompute"),
+    *("process_id", "freeze", "recompute", "rebalance"),
 }
 
 

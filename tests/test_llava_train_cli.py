@@ -139,6 +139,8 @@ def test_print_config_then_config_repeats_the_run(runs):
 # (flags, regular expressions the one-line error must match: what is wrong and the fix)
 BAD_INPUT = {
     "unknown-preset": (["--model", "nope"], [r"unknown model preset 'nope'", r"tiny-av"]),
+    "rebalance-unknown": (["--rebalance", "visoin"], [r"--rebalance names 'visoin'", r"vision"]),
+    "rebalance-llm": (["--rebalance", "llm"], [r"--rebalance llm: only an encoder", r"vision"]),
     "batch-vs-microbatches": (
         ["--global-batch", "10", "--microbatches", "4", "--devices", "2"],
         [r"10 is not divisible", r"microbatches", r"multiple of \d+"],

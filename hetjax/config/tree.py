@@ -106,6 +106,9 @@ class DataConfig:
     max_frames: int = doc(768, "Qwen2.5-VL: most frames sampled from one video (whole pairs)")
     pack: bool = doc(False, "pack several samples into each seq_len row")
     balance: bool = doc(False, "order each step's rows so dp ranks get even tokens and images")
+    synthetic_max_images: int = doc(
+        1, "synthetic data: image slots per sample; above 1 a sample has 0 to this many images"
+    )
     skip_bad_samples: bool = doc(False, "skip and count bad records instead of stopping")
     workers: int = doc(4, "data-loading threads (reading, tokenizing, image decoding)")
     prefetch: int = doc(2, "batches prepared ahead of the step that needs them")
@@ -138,6 +141,9 @@ class ParallelConfig:
     offload_encoder: bool = doc(
         False, "colocated: encoder params/optimizer state in host memory in the LLM phase"
     )
+    rebalance: str = doc(
+        "", "encoders whose images are dealt evenly over their dp ranks each step, e.g. vision"
+    )
     recompute: dict[str, Recompute] = doc(
         {},
         "module -> activation policy: none (keep the backward's residuals), selective "
@@ -157,6 +163,11 @@ class ParallelConfig:
         "simulated CPU devices when there is no GPU (None: 8; on GPU: all visible); in a "
         "multi-process run, devices PER PROCESS",
     )
+
+    @property
+    def rebalanced(self) -> tuple[str, ...]:
+        """The names in :attr:`rebalance`."""
+        return tuple(n.strip() for n in self.rebalance.split(",") if n.strip())
 
     @property
     def mode(self) -> Literal["colocated", "non-colocated", "homogeneous"]:
@@ -261,6 +272,7 @@ _RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "data.max_frames": (lambda v: v >= 2, "an integer >= 2 (one temporal patch)"),
     "data.workers": (lambda v: v >= 1, "a positive integer"),
     "data.prefetch": (lambda v: v >= 1, "a positive integer"),
+    "data.synthetic_max_images": (lambda v: v >= 1, "a positive integer"),
     "parallel.microbatches": (lambda v: v >= 1, "a positive integer"),
     "parallel.devices": (lambda v: v >= 1, "a positive integer"),
     "parallel.peak_tflops": (lambda v: v > 0, "a positive number"),
@@ -278,6 +290,7 @@ _NOT_FOR_REFERENCE = (
     "parallel.sequence_parallel",
     "parallel.offload_encoder",
     "parallel.recompute",
+    "parallel.rebalance",
 )
 
 
@@ -349,6 +362,8 @@ def _check_data(d: DataConfig) -> None:
         raise InvalidConfigError("data.sources needs data.tokenizer (a tokenizer.json)")
     if d.max_samples_per_row is not None and not d.pack:
         raise InvalidConfigError("data.max_samples_per_row bounds packed rows; give data.pack")
+    if d.sources and d.synthetic_max_images != 1:
+        raise InvalidConfigError("data.synthetic_max_images is for synthetic data; drop it")
     if not d.sources:
         names = ("tokenizer", "image_folder", "pack", "max_images_per_microbatch")
         given = [f for f in names if getattr(d, f) not in (None, False)]

@@ -160,6 +160,7 @@ class Trainer:
             schedule=p.schedule,
             offload_encoders=p.offload_encoder,
             global_batch=self.config.data.global_batch,
+            rebalance=p.rebalanced,
         )
         if plan.mode == "homogeneous":  # the encoders' inherited layouts must fit them too
             inherited = {m.name: m.layout for m in plan.graph.modules if m.name != sink}

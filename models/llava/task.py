@@ -74,7 +74,10 @@ class LlavaTask:
             if samples is not None:  # packed rows: their segments bound the attention's
                 max_segments = attention_segments(samples)
         else:
-            data = SyntheticConfig.for_model(preset, seq_len=self.seq_len, seed=config.seed)
+            images_per_row = config.data.synthetic_max_images
+            data = SyntheticConfig.for_model(
+                preset, seq_len=self.seq_len, seed=config.seed, max_images=images_per_row
+            )
             self.dataset = SyntheticLlava(data)
             rows = config.data.global_batch // config.parallel.microbatches
             budget = config.data.max_loss_tokens_per_microbatch

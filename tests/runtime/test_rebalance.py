@@ -122,3 +122,11 @@ def test_rebalance_of_a_module_that_is_no_encoder_is_one_line():
         hetjax.plan_run(graph, num_devices=2, rebalance=("visoin",))
     with pytest.raises(hetjax.LayoutError, match=r"rebalance='llm': only an encoder"):
         hetjax.plan_run(graph, num_devices=2, rebalance=("llm",))
+
+
+def test_rebalance_flag_repeats_into_the_config():
+    from experiments import flags
+
+    cfg = flags.parse_args(["--rebalance", "vision", "--rebalance", "audio"], prog="t")
+    assert cfg.parallel.rebalance == "vision,audio"
+    assert cfg.parallel.rebalanced == ("vision", "audio")
