@@ -1,5 +1,7 @@
 """Per-module layouts, device placement, module meshes and logical-axis rules."""
 
+from .fsdp import FsdpGather as FsdpGather
+from .fsdp import validate_fsdp as validate_fsdp
 from .layout import DEGREES as DEGREES
 from .layout import MESH_AXES as MESH_AXES
 from .layout import STAGE_AXES as STAGE_AXES
@@ -13,9 +15,12 @@ from .placement import module_positions as module_positions
 from .placement import place_modules as place_modules
 from .placement import validate_layout as validate_layout
 from .rules import BATCH_AXES as BATCH_AXES
+from .rules import FSDP_AXIS as FSDP_AXIS
 from .rules import LOGICAL_AXIS_RULES as LOGICAL_AXIS_RULES
 from .rules import activation_sharding as activation_sharding
 from .rules import batch_sharding as batch_sharding
+from .rules import gathered_spec as gathered_spec
+from .rules import is_logical_names as is_logical_names
 from .rules import logical_to_sharding as logical_to_sharding
 from .rules import logical_to_spec as logical_to_spec
 from .rules import param_shardings as param_shardings
@@ -27,6 +32,11 @@ from .validation import validate_divisible as validate_divisible
 
 __all__ = [
     "BATCH_AXES",
+    "FSDP_AXIS",
+    "FsdpGather",
+    "gathered_spec",
+    "is_logical_names",
+    "validate_fsdp",
     "activation_sharding",
     "batch_sharding",
     "sequence_axes",

@@ -1,26 +1,32 @@
-"""Per-module parallel layouts: the degrees (dp, tp, cp, pp, ep) one module trains with.
+"""Per-module parallel layouts: the degrees (dp, fsdp, tp, cp, pp, ep) one module trains with.
 
 A `Layout` is only numbers; it owns no devices (`placement.py` turns layouts into meshes).
 Unlike a single parallel config for the whole model, every module of the multimodal graph
 gets its own `Layout`, so an encoder can run with ``dp=8`` next to an LLM with
 ``dp=2,tp=4`` on the same eight devices.
 
-Degrees follow Megatron: ``dp * tp * cp * pp`` devices per module; ``ep`` does not add
-devices, it groups experts inside the data-parallel ranks and must divide ``dp``.
+Degrees follow Megatron: ``dp * fsdp * tp * cp * pp`` devices per module; ``ep`` does not
+add devices, it groups experts inside the data-parallel ranks and must divide ``dp``.
 
-Mesh axis names, outermost to innermost, are `MESH_AXES` = ``("pp", "dp", "ep", "cp",
-"tp")``; the mesh's ``dp`` axis has size ``dp // ep`` and its ``ep`` axis size ``ep``, so
-the data batch is sharded over ``("dp", "ep")`` together. A pipeline-stage submesh drops
-``"pp"`` (`STAGE_AXES`).
+``fsdp`` is MaxText's ``fsdp`` axis: more data-parallel ranks (the batch splits over
+``dp * fsdp``) that also shard the parameters, their gradients and the optimizer state
+(each layer's weights are gathered inside the layer scan). ``dp`` counts the replicas
+that each hold a whole copy of that sharded state; gradients are summed over them once
+per step (``hetjax.runtime.update``), and ZeRO-1 splits the optimizer state over them.
+
+Mesh axis names, outermost to innermost, are `MESH_AXES` = ``("pp", "dp", "fsdp", "ep",
+"cp", "tp")``; the mesh's ``dp`` axis has size ``dp // ep`` and its ``ep`` axis size
+``ep``, so the data batch is sharded over ``("dp", "fsdp", "ep")`` together (consecutive
+data ranks, in device order). A pipeline-stage submesh drops ``"pp"`` (`STAGE_AXES`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-DEGREES = ("dp", "tp", "cp", "pp", "ep")
-MESH_AXES = ("pp", "dp", "ep", "cp", "tp")
-STAGE_AXES = ("dp", "ep", "cp", "tp")
+DEGREES = ("dp", "fsdp", "tp", "cp", "pp", "ep")
+MESH_AXES = ("pp", "dp", "fsdp", "ep", "cp", "tp")
+STAGE_AXES = ("dp", "fsdp", "ep", "cp", "tp")
 
 
 class LayoutError(ValueError):
@@ -37,6 +43,7 @@ class Layout:
     """
 
     dp: int = 1  # data-parallel replicas (batch split), experts' groups included
+    fsdp: int = 1  # data-parallel ranks that also shard parameters, gradients, optimizer
     tp: int = 1  # tensor-parallel ranks (Megatron column/row splits of weights)
     cp: int = 1  # context-parallel ranks (sequence split)
     pp: int = 1  # pipeline stages (layer stack split)
@@ -58,7 +65,7 @@ class Layout:
         """Parses ``"dp=2,tp=2,pp=2"``; missing degrees are 1, spaces are ignored.
 
         Args:
-            text: comma-separated ``key=int`` pairs with keys from dp, tp, cp, pp, ep.
+            text: comma-separated ``key=int`` pairs with keys from dp, fsdp, tp, cp, pp, ep.
             module: module name used in error messages.
 
         Returns:
@@ -95,23 +102,31 @@ class Layout:
 
     @property
     def num_devices(self) -> int:
-        """Devices the module occupies: ``dp * tp * cp * pp`` (ep shares the dp ranks)."""
-        return self.dp * self.tp * self.cp * self.pp
+        """Devices the module occupies: ``dp * fsdp * tp * cp * pp`` (ep shares the dp
+        ranks)."""
+        return self.dp * self.fsdp * self.tp * self.cp * self.pp
 
     @property
     def devices_per_stage(self) -> int:
-        """Devices of one pipeline stage: ``dp * tp * cp``."""
-        return self.dp * self.tp * self.cp
+        """Devices of one pipeline stage: ``dp * fsdp * tp * cp``."""
+        return self.dp * self.fsdp * self.tp * self.cp
 
     @property
-    def mesh_shape(self) -> tuple[int, int, int, int, int]:
-        """Sizes of `MESH_AXES` = (pp, dp // ep, ep, cp, tp)."""
-        return (self.pp, self.dp // self.ep, self.ep, self.cp, self.tp)
+    def data_ranks(self) -> int:
+        """Slices the batch is split into: ``dp * fsdp`` (experts' groups included)."""
+        return self.dp * self.fsdp
 
     @property
-    def stage_shape(self) -> tuple[int, int, int, int]:
-        """Sizes of `STAGE_AXES` = (dp // ep, ep, cp, tp)."""
+    def mesh_shape(self) -> tuple[int, ...]:
+        """Sizes of `MESH_AXES` = (pp, dp // ep, fsdp, ep, cp, tp)."""
+        return (self.pp, self.dp // self.ep, self.fsdp, self.ep, self.cp, self.tp)
+
+    @property
+    def stage_shape(self) -> tuple[int, ...]:
+        """Sizes of `STAGE_AXES` = (dp // ep, fsdp, ep, cp, tp)."""
         return self.mesh_shape[1:]
 
     def __str__(self) -> str:
-        return ",".join(f"{name}={getattr(self, name)}" for name in DEGREES)
+        # fsdp only where it is set: layouts without it print as they always did.
+        shown = [n for n in DEGREES if n != "fsdp" or self.fsdp != 1]
+        return ",".join(f"{name}={getattr(self, name)}" for name in shown)

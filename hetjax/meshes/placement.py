@@ -13,7 +13,8 @@ All meshes are reshapes of slices of one global device list in a canonical order
 order of ``jax.devices()`` unless given), never independent ``jax.make_mesh`` calls:
 colocated meshes then share their flat device order and can meet inside one ``jit``.
 Within a module the order is Megatron's default: ``tp`` on neighbouring devices, then
-``cp``, ``ep``, ``dp``, and ``pp`` outermost, so pipeline stages map to hosts.
+``cp``, ``ep``, ``fsdp``, ``dp``, and ``pp`` outermost, so pipeline stages map to hosts
+(and the fsdp gathers, every layer's, stay closer than the once-per-step dp reduction).
 
 Meshes use ``AxisType.Auto`` on purpose (the default of ``jax.sharding.Mesh``, unlike
 ``jax.make_mesh``): GSPMD propagates the TP/DP shardings that the logical-axis rules put
@@ -47,7 +48,7 @@ class ModuleMesh:
 
     @functools.cached_property
     def mesh(self) -> Mesh:
-        """Full mesh with axes ``("pp", "dp", "ep", "cp", "tp")``."""
+        """Full mesh with axes ``("pp", "dp", "fsdp", "ep", "cp", "tp")``."""
         array = np.empty(len(self.devices), dtype=object)
         array[:] = self.devices
         return Mesh(
@@ -66,7 +67,7 @@ class ModuleMesh:
         return tuple(self.stage_mesh(stage).devices.flat)
 
     def stage_mesh(self, stage: int) -> Mesh:
-        """Submesh of pipeline stage ``stage`` with axes ``("dp", "ep", "cp", "tp")``.
+        """Submesh of pipeline stage ``stage`` with axes ``("dp", "fsdp", "ep", "cp", "tp")``.
 
         Args:
             stage: stage index in ``[-pp, pp)``; ``-1`` is the last stage.
@@ -92,12 +93,13 @@ def validate_layout(module: str, layout: Layout, num_devices: int) -> None:
     """Checks that a module's degrees multiply to the devices it is given.
 
     Raises:
-        LayoutError: ``dp * tp * cp * pp != num_devices``.
+        LayoutError: ``dp * fsdp * tp * cp * pp != num_devices``.
     """
     if layout.num_devices != num_devices:
+        names = [n for n in ("dp", "fsdp", "tp", "cp", "pp") if n != "fsdp" or layout.fsdp > 1]
         raise LayoutError(
-            f"{module}: dp*tp*cp*pp = {layout.dp}*{layout.tp}*{layout.cp}*{layout.pp} ="
-            f" {layout.num_devices} but the module has {num_devices} devices; choose degrees"
+            f"{module}: {'*'.join(names)} = {'*'.join(str(getattr(layout, n)) for n in names)}"
+            f" = {layout.num_devices} but the module has {num_devices} devices; choose degrees"
             f" whose product is {num_devices}"
         )
 

@@ -10,6 +10,11 @@ Megatron tensor parallelism falls out of one name -> axis map: the models put
 MLP up/gate) and on the INPUT dim of row-parallel ones (attention out, MLP down), and
 ``"vocab"`` on the vocabulary dim of the embedding table and LM head.
 
+Fully sharded data parallelism falls out of one more (MaxText's): ``"embed"``, the model
+width every weight matrix has, maps to ``"fsdp"``. Parameters are stored sharded there;
+what each layer computes with is the same spec less ``"fsdp"`` (:func:`gathered_spec`),
+which ``hetjax.meshes.fsdp`` gathers inside the layer scan.
+
 Mesh axes of size 1 are kept in the specs (they shard nothing), so a spec does not change
 with the degrees; ``"layers"`` maps to ``"pp"`` on a full module mesh and to nothing on a
 pipeline-stage submesh, which has no ``"pp"`` axis.
@@ -30,7 +35,7 @@ MeshAxes = str | tuple[str, ...] | None
 
 LOGICAL_AXIS_RULES: Mapping[str, MeshAxes] = {
     # Parameters.
-    "embed": None,  # model width: replicated
+    "embed": "fsdp",  # model width: split over the fsdp ranks (gathered per layer)
     "heads": "tp",  # flattened q heads * head_dim: column-parallel in, row-parallel out
     "kv_heads": "tp",  # kv heads: the fused q/k/v kernel's kv-group dim (whole groups per rank)
     "mlp": "tp",  # MLP hidden: column-parallel up/gate, row-parallel down
@@ -38,7 +43,7 @@ LOGICAL_AXIS_RULES: Mapping[str, MeshAxes] = {
     "layers": "pp",  # stacked block axis (full mesh only)
     "experts": "ep",  # MoE experts
     # Activations.
-    "batch": ("dp", "ep"),  # data batch over all data-parallel ranks
+    "batch": ("dp", "fsdp", "ep"),  # data batch over all data-parallel ranks
     "seq": "cp",  # sequence (tokens) over context-parallel ranks
     "act_embed": None,
     "act_heads": "tp",
@@ -51,6 +56,26 @@ LogicalNames = Sequence[str | None]
 
 BATCH_AXES: tuple[str, ...] = LOGICAL_AXIS_RULES["batch"]  # type: ignore[assignment]
 """Mesh axes a batch dimension is split over (every data-parallel rank, experts' too)."""
+
+FSDP_AXIS: str = LOGICAL_AXIS_RULES["embed"]  # type: ignore[assignment]
+"""The mesh axis parameters are sharded over (and gathered from, per layer)."""
+
+
+def gathered_spec(spec: PartitionSpec) -> PartitionSpec:
+    """``spec`` less the fsdp axis: how a parameter stored as ``spec`` is computed with.
+
+    Example:
+        >>> gathered_spec(PartitionSpec("fsdp", "tp"))
+        PartitionSpec(None, 'tp')
+    """
+
+    def drop(entry: MeshAxes) -> MeshAxes:
+        if entry is None or isinstance(entry, str):
+            return None if entry == FSDP_AXIS else entry
+        kept = tuple(a for a in entry if a != FSDP_AXIS)
+        return kept or None
+
+    return PartitionSpec(*(drop(e) for e in spec))
 
 
 def sequence_axes(mesh: Mesh, *, tp: bool = False) -> MeshAxes:
@@ -110,7 +135,7 @@ def logical_to_spec(names: LogicalNames, *, stage_mesh: bool) -> PartitionSpec:
 
     Example:
         >>> logical_to_spec(("embed", "mlp"), stage_mesh=True)
-        PartitionSpec(None, 'tp')
+        PartitionSpec('fsdp', 'tp')
     """
     entries: list[MeshAxes] = []
     used: dict[str, str] = {}
@@ -146,7 +171,9 @@ def logical_to_sharding(names: LogicalNames, mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, spec)
 
 
-def _is_names(x: Any) -> bool:
+def is_logical_names(x: Any) -> bool:
+    """Whether ``x`` is one array's logical axis names (a tuple of str / None): the leaf
+    test of a tree of names (``jax.tree.map(..., is_leaf=is_logical_names)``)."""
     return isinstance(x, tuple) and all(e is None or isinstance(e, str) for e in x)
 
 
@@ -162,5 +189,5 @@ def param_shardings(tree_of_names: Any, mesh: Mesh) -> Any:
         ``jax.device_put`` or ``jit(out_shardings=...)``.
     """
     return jax.tree.map(
-        lambda names: logical_to_sharding(names, mesh), tree_of_names, is_leaf=_is_names
+        lambda names: logical_to_sharding(names, mesh), tree_of_names, is_leaf=is_logical_names
     )

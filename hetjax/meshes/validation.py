@@ -20,18 +20,27 @@ def validate_batch(module: str, layout: Layout, global_batch: int, microbatches:
         microbatches: microbatches per step.
 
     Raises:
-        LayoutError: ``global_batch`` not divisible by ``dp * microbatches``.
+        LayoutError: ``global_batch`` not divisible by ``dp * fsdp * microbatches`` (the
+            batch splits over both).
     """
     if microbatches < 1:
         raise LayoutError(f"{module}: microbatches={microbatches} must be >= 1")
-    per = layout.dp * microbatches
+    per = layout.data_ranks * microbatches
     if global_batch % per:
         lower = global_batch // per * per
         examples = f"{lower} or {lower + per}" if lower else f"{per}"
+        ranks, sizes = (
+            ("dp*fsdp", f"{layout.dp}*{layout.fsdp}")
+            if layout.fsdp > 1
+            else (
+                "dp",
+                f"{layout.dp}",
+            )
+        )
         raise LayoutError(
-            f"{module}: global batch {global_batch} is not divisible by dp*microbatches ="
-            f" {layout.dp}*{microbatches} = {per}; use a batch that is a multiple of {per}"
-            f" (e.g. {examples}) or change dp/microbatches"
+            f"{module}: global batch {global_batch} is not divisible by {ranks}*microbatches ="
+            f" {sizes}*{microbatches} = {per}; use a batch that is a multiple of {per}"
+            f" (e.g. {examples}) or change {ranks.replace('*', '/')}/microbatches"
         )
 
 

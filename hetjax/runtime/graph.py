@@ -37,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 
-from hetjax.meshes import Layout, LayoutError
+from hetjax.meshes import Layout, LayoutError, validate_fsdp
 from hetjax.modules import StagedModule
 from hetjax.recompute import DEFAULT_RECOMPUTE as DEFAULT_RECOMPUTE
 from hetjax.recompute import RECOMPUTE_POLICIES as RECOMPUTE_POLICIES
@@ -88,6 +88,10 @@ class ModuleSpec:
                 f"{self.name}: {main.num_layers} layers do not split into pp={self.layout.pp} "
                 f"equal stages; use a pp that divides {main.num_layers}"
             )
+        axes = {p.name: p.logical_axes() for p in self.parts}
+        validate_fsdp(
+            self.name, self.layout, axes, {p.name: p.abstract_params() for p in self.parts}
+        )
 
     @property
     def param_keys(self) -> tuple[str, ...]:

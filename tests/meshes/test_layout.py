@@ -22,15 +22,15 @@ def test_parse_ignores_spaces_and_order_and_round_trips():
 
 def test_mesh_shapes_group_experts_inside_dp():
     layout = Layout.parse("dp=4,ep=2,cp=2,tp=2,pp=3")
-    assert layout.mesh_shape == (3, 2, 2, 2, 2)  # (pp, dp // ep, ep, cp, tp)
-    assert layout.stage_shape == (2, 2, 2, 2)
+    assert layout.mesh_shape == (3, 2, 1, 2, 2, 2)  # (pp, dp // ep, fsdp, ep, cp, tp)
+    assert layout.stage_shape == (2, 1, 2, 2, 2)
     assert layout.num_devices == 4 * 2 * 2 * 3  # ep adds no devices
 
 
 @pytest.mark.parametrize(
     "text, match",
     [
-        ("dp=2,xp=2", r"llm: cannot parse 'xp=2' .* keys from dp, tp, cp, pp, ep"),
+        ("dp=2,xp=2", r"llm: cannot parse 'xp=2' .* keys from dp, fsdp, tp, cp, pp, ep"),
         ("dp2", r"llm: cannot parse 'dp2'"),
         ("dp=2,dp=4", r"llm: degree dp given twice .* keep one"),
         ("tp=two", r"llm: tp='two' .* is not an int; e.g. tp=2"),

@@ -26,12 +26,12 @@ def _ids(mesh) -> np.ndarray:
 def test_megatron_device_order_tp_innermost_pp_outermost():
     mm = place_modules({"llm": "dp=2,tp=2,pp=2"}, placement="colocated")["llm"]
     assert mm.mesh.axis_names == MESH_AXES
-    assert mm.mesh.axis_types == (AxisType.Auto,) * 5
+    assert mm.mesh.axis_types == (AxisType.Auto,) * 6
     ids = _ids(mm.mesh)
-    assert ids.shape == (2, 2, 1, 1, 2)
-    assert ids[0, 0, 0, 0].tolist() == [0, 1]  # a tp group is neighbouring devices
-    assert ids[0, :, 0, 0, 0].tolist() == [0, 2]  # then dp
-    assert ids[:, 0, 0, 0, 0].tolist() == [0, 4]  # pp outermost: stage 1 is devices 4-7
+    assert ids.shape == (2, 2, 1, 1, 1, 2)
+    assert ids[0, 0, 0, 0, 0].tolist() == [0, 1]  # a tp group is neighbouring devices
+    assert ids[0, :, 0, 0, 0, 0].tolist() == [0, 2]  # then dp
+    assert ids[:, 0, 0, 0, 0, 0].tolist() == [0, 4]  # pp outermost: stage 1 is devices 4-7
     stage1 = mm.stage_mesh(1)
     assert stage1.axis_names == STAGE_AXES and _ids(stage1).ravel().tolist() == [4, 5, 6, 7]
     assert mm.stage_mesh(-1) is stage1  # cached, and -1 is the last stage
@@ -40,11 +40,18 @@ def test_megatron_device_order_tp_innermost_pp_outermost():
 
 def test_cp_and_ep_sit_between_tp_and_dp():
     mm = place_modules({"moe": "dp=4,ep=2,cp=2"}, placement="colocated")["moe"]
-    ids = _ids(mm.mesh)[0]  # (dp // ep, ep, cp, tp)
+    ids = _ids(mm.mesh)[0, :, 0]  # (dp // ep, ep, cp, tp); fsdp = 1
     assert ids.shape == (2, 2, 2, 1)
     assert ids[0, 0, :, 0].tolist() == [0, 1]  # cp neighbours
     assert ids[0, :, 0, 0].tolist() == [0, 2]  # then ep
     assert ids[:, 0, 0, 0].tolist() == [0, 4]  # then dp
+
+
+def test_fsdp_sits_between_ep_and_dp():
+    mm = place_modules({"llm": "dp=2,fsdp=2,tp=2"}, placement="colocated")["llm"]
+    ids = _ids(mm.mesh)[0, :, :, 0, 0]  # (dp, fsdp, tp)
+    assert ids[0, :, 0].tolist() == [0, 2]  # fsdp after tp
+    assert ids[:, 0, 0].tolist() == [0, 4]  # then dp
 
 
 def test_colocated_modules_share_one_flat_device_order():

@@ -20,19 +20,19 @@ from hetjax.meshes import (
 @pytest.mark.parametrize(
     "names, stage_mesh, spec",
     [
-        (("embed", "heads"), True, P(None, "tp")),  # QKV: column-parallel
-        (("embed", "kv_heads"), True, P(None, "tp")),
-        (("heads", "embed"), True, P("tp", None)),  # attention out: row-parallel
-        (("embed", "mlp"), True, P(None, "tp")),  # MLP up: column-parallel
-        (("mlp", "embed"), True, P("tp", None)),  # MLP down: row-parallel
-        (("vocab", "embed"), True, P("tp", None)),  # vocab-parallel embedding
-        (("embed", "vocab"), True, P(None, "tp")),  # vocab-parallel LM head
-        (("layers", "embed", "mlp"), False, P("pp", None, "tp")),
-        (("layers", "embed", "mlp"), True, P(None, None, "tp")),
-        (("experts", "embed", "mlp"), True, P("ep", None, "tp")),
-        (("batch", "seq", "act_embed"), True, P(("dp", "ep"), "cp", None)),
-        (("batch", "seq", "act_vocab"), True, P(("dp", "ep"), "cp", "tp")),
-        ((None, "embed"), True, P(None, None)),
+        (("embed", "heads"), True, P("fsdp", "tp")),  # QKV: column-parallel
+        (("embed", "kv_heads"), True, P("fsdp", "tp")),
+        (("heads", "embed"), True, P("tp", "fsdp")),  # attention out: row-parallel
+        (("embed", "mlp"), True, P("fsdp", "tp")),  # MLP up: column-parallel
+        (("mlp", "embed"), True, P("tp", "fsdp")),  # MLP down: row-parallel
+        (("vocab", "embed"), True, P("tp", "fsdp")),  # vocab-parallel embedding
+        (("embed", "vocab"), True, P("fsdp", "tp")),  # vocab-parallel LM head
+        (("layers", "embed", "mlp"), False, P("pp", "fsdp", "tp")),
+        (("layers", "embed", "mlp"), True, P(None, "fsdp", "tp")),
+        (("experts", "embed", "mlp"), True, P("ep", "fsdp", "tp")),
+        (("batch", "seq", "act_embed"), True, P(("dp", "fsdp", "ep"), "cp", None)),
+        (("batch", "seq", "act_vocab"), True, P(("dp", "fsdp", "ep"), "cp", "tp")),
+        ((None, "embed"), True, P(None, "fsdp")),  # fsdp: the model width
         ((), True, P()),
     ],
 )
@@ -85,7 +85,7 @@ def test_param_shardings_give_megatron_tp_shards():
         "blocks": {"w": (3, 16, 16)},
     }
     full = param_shardings(names, mm.mesh)
-    assert full["blocks"]["w"].spec == P("pp", None, "tp")
+    assert full["blocks"]["w"].spec == P("pp", "fsdp", "tp")
 
 
 def test_tp_sharded_matmul_runs_and_matches():

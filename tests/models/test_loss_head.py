@@ -85,7 +85,7 @@ def test_gathered_head_matches_the_whole_row(head, layout):
     if layout == "one-device":
         got = _loss_and_grads(graphs[cap], params, inputs)
     else:
-        mesh = Mesh(np.asarray(jax.devices()).reshape(2, 1, CP, 2), STAGE_AXES)
+        mesh = Mesh(np.asarray(jax.devices()).reshape(2, 1, 1, CP, 2), STAGE_AXES)
         got = _loss_and_grads(graphs[cap], params, inputs, mesh=mesh, sp=layout.endswith("sp"))
     _assert_close(got, want)
     # Unsupervised positions get exactly no gradient, as in the whole-row head.
