@@ -13,6 +13,13 @@ constraints and with the cost model's structure instead:
   (standalone 1F1B time, memory) per ``(n, M)``; encoder candidates likewise;
 - pairs are ranked by the closed-form makespan; the best few per mode are re-timed with
   the schedule simulator, which decides.
+
+Two homogeneous baselines (:data:`Baseline`), since gains depend on what they are against:
+``best``, the fastest plan in which the encoder inherits the LLM's layout (the strongest
+homogeneous baseline a search finds), and ``paper``, the stock one the paper measures
+against: a Megatron user picks the LLM's layout for the LLM alone (the fastest that fits
+with the distributed optimizer, ZeRO-1 over DP), and the encoder inherits it, savers
+included, on the LLM's first stage, repeating its work on every CP rank.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ import itertools
 import time
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 from hetjax.meshes.layout import Layout
 from hetjax.recompute import RECOMPUTE_POLICIES
@@ -35,6 +42,8 @@ MICROBATCH_SIZES = (1, 2, 4)  # samples per data lane per microbatch
 MAX_PP, MAX_CP = 16, 32
 FRONT = 6  # candidates kept per module, GPU count and M
 SIMULATED = 4  # best closed-form plans per mode re-timed with the simulator
+Baseline = Literal["paper", "best"]  # the homogeneous plan a gain is measured against
+BASELINES: tuple[Baseline, ...] = ("paper", "best")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +52,7 @@ class SearchResult:
 
     best: Estimate  # the best heterogeneous plan (colocated or non-colocated)
     homogeneous: Estimate  # the best homogeneous plan (encoder inherits the LLM's layout)
+    stock: Estimate | None  # the paper's baseline (the LLM's own layout, inherited)
     ranked: tuple[Estimate, ...]  # simulated heterogeneous plans, best first
     by_mode: dict[str, Estimate]  # the best plan of each mode that has one
     candidates: int  # plans priced
@@ -51,7 +61,26 @@ class SearchResult:
     @property
     def gain_pct(self) -> float:
         """Throughput of ``best`` over ``homogeneous``, in percent."""
-        return 100.0 * (self.best.tokens_per_s / self.homogeneous.tokens_per_s - 1.0)
+        return self.gain("best")
+
+    def baseline(self, kind: Baseline) -> Estimate:
+        """The homogeneous plan called ``kind`` (see the module doc)."""
+        if kind not in BASELINES:
+            raise ValueError(f"unknown baseline {kind!r}; use one of {', '.join(BASELINES)}")
+        if kind == "best":
+            return self.homogeneous
+        if self.stock is None:
+            raise ValueError(
+                "no paper baseline: no layout chosen for the LLM alone leaves room for the "
+                "encoder on its first stage; compare with baseline 'best'"
+            )
+        return self.stock
+
+    def gain(self, kind: Baseline, mode: str | None = None) -> float:
+        """Throughput of ``best`` (or of the best plan of ``mode``) over the baseline
+        ``kind``, in percent."""
+        est = self.best if mode is None else self.by_mode[mode]
+        return 100.0 * (est.tokens_per_s / self.baseline(kind).tokens_per_s - 1.0)
 
 
 def _divisors(n: int, limit: int) -> list[int]:
@@ -159,6 +188,7 @@ def search(
     lean: list[Estimate] = []  # the leanest plan seen, for the error message
 
     llm_cache: dict = {}
+    alone: list[tuple[float, int, ModulePlan, list]] = []  # the LLM by itself on every GPU
 
     def llm_front(n: int) -> dict[int, list[tuple[ModulePlan, list]]]:
         """Per M, the LLM's Pareto-front plans on ``n`` GPUs with their stages."""
@@ -176,10 +206,16 @@ def search(
             stages = llm_stages(cfg, probe, work, hw)
             count[0] += 1
             per = [s.forward_s + s.backward_s + 2 * s.recv_s for s in stages]
-            alone = sum(per) + (m - 1) * max(per)
-            items[m].append((alone, max(s.memory.total for s in stages), (mp, stages)))
+            chain = sum(per) + (m - 1) * max(per)
+            mem = max(s.memory.total for s in stages)
+            items[m].append((chain, mem, (mp, stages)))
+            if n == num_gpus and mem <= hw.memory_bytes:
+                step = chain + max(s.reduce_s + s.optimizer_s for s in stages)
+                alone.append((step, m, mp, stages))
         llm_cache[n] = {m: _front(v) for m, v in items.items()}
         return llm_cache[n]
+
+    vis_cache: dict = {}
 
     def price(plan: Plan, llm: list, *, simulate: bool = False) -> Estimate | None:
         try:
@@ -187,9 +223,11 @@ def search(
         except ValueError:
             return None
         count[0] += 1
-        est = assemble(
-            cfg, plan, work, hw, vision_stages(cfg, plan, work, hw), llm, simulate=simulate
-        )
+        # The encoder's stages see the LLM only through its pp (the schedule's warm-up).
+        key = (plan.mode, plan.vision, plan.microbatches, plan.llm.layout.pp)
+        if key not in vis_cache:
+            vis_cache[key] = vision_stages(cfg, plan, work, hw)
+        est = assemble(cfg, plan, work, hw, vis_cache[key], llm, simulate=simulate)
         if not lean or est.peak_memory_bytes < lean[0].peak_memory_bytes:
             lean[:] = [est]
         return est if est.fits else None
@@ -233,14 +271,31 @@ def search(
     )
     if not hetero or not by_mode.get("homogeneous"):
         _no_fit(cfg, num_gpus, hw, lean, "heterogeneous" if not hetero else "homogeneous")
+    stock = _stock(alone, price)
+    if stock and stock.step_time_s < by_mode["homogeneous"][0].step_time_s:
+        by_mode["homogeneous"].insert(0, stock)  # the best baseline is never the slower
     return SearchResult(
         best=hetero[0],
         homogeneous=by_mode["homogeneous"][0],
+        stock=stock,
         ranked=tuple(hetero),
         by_mode={k: v[0] for k, v in by_mode.items() if v},
         candidates=count[0],
         seconds=time.perf_counter() - t0,
     )
+
+
+def _stock(alone: list, price: Any) -> Estimate | None:
+    """The paper's baseline: the LLM's layouts by their own step time (distributed
+    optimizer, the fastest first); the first that still fits once the encoder inherits
+    it, its savers included, on the first stage."""
+    zero1 = [a for a in alone if a[2].zero1] or alone  # savers without ZeRO-1: as given
+    for _t, m, mp, stages in sorted(zero1, key=lambda a: a[0]):
+        enc = dataclasses.replace(mp, layout=dataclasses.replace(mp.layout, pp=1, ep=1))
+        plan = Plan("homogeneous", enc, mp, m)
+        if price(plan, stages):
+            return price(plan, stages, simulate=True)
+    return None
 
 
 def _no_fit(cfg: Any, n: int, hw: HardwareProfile, lean: list[Estimate], kind: str) -> None:

@@ -1,12 +1,16 @@
 """The planner and its CLI: best plans, pruning speed, one-line errors."""
 
+import contextlib
+import dataclasses
+import itertools
 import json
 import sys
 
 import pytest
 
-from hetjax.plan import Workload
-from hetjax.plan.search import search
+from hetjax.plan import ModulePlan, Workload, estimate, get_profile
+from hetjax.plan.cost import homogeneous, llm_stages
+from hetjax.plan.search import MICROBATCH_SIZES, llm_layouts, search
 from models.config import get_preset, paper_preset
 
 CFG = paper_preset("vit-3b", "llm-70b", 8192)
@@ -82,3 +86,40 @@ def test_cli_plans_a_runnable_preset(capsys):
     out = cli.main(cli.parse_args(["--model", "tiny", "--gpus", "8", "--gpu", "cpu"]))
     assert out["seq_len"] == 64 and out["images_per_sample"] == 1
     assert out["best"]["mode"] in ("colocated", "non-colocated")
+
+
+def test_paper_baseline_is_the_llms_own_layout_inherited():
+    """The paper's baseline: the LLM's fastest layout by itself (ZeRO-1), the encoder
+    taking its dp, tp, cp and savers on the first stage; gains over either baseline."""
+    work, hw = Workload(64, 8192, 4), get_profile("h100")
+    r = search(CFG, 32, work, hw)
+    stock = r.baseline("paper")
+    assert stock is r.stock and r.baseline("best") is r.homogeneous and stock.fits
+    enc, llm = stock.plan.vision, stock.plan.llm
+    assert stock.plan.mode == "homogeneous" and enc.zero1 and llm.zero1
+    assert enc.layout == dataclasses.replace(llm.layout, pp=1, ep=1)
+    assert enc.recompute == llm.recompute
+    assert stock.step_time_s >= r.homogeneous.step_time_s  # the best is no slower
+
+    def alone(mp: ModulePlan, m: int) -> tuple[float, bool]:
+        st = llm_stages(CFG, homogeneous(mp, m), work, hw)
+        per = [s.forward_s + s.backward_s + 2 * s.recv_s for s in st]
+        step = sum(per) + (m - 1) * max(per) + max(s.reduce_s + s.optimizer_s for s in st)
+        return step, max(s.memory.total for s in st) <= hw.memory_bytes
+
+    # Every LLM layout faster by itself leaves no room for the encoder (or cannot run it).
+    chosen, _ = alone(llm, stock.plan.microbatches)
+    for lay in llm_layouts(CFG, 32, work, hw):
+        for mbs, rc in itertools.product(MICROBATCH_SIZES, ("none", "selective", "full")):
+            if work.global_batch % (lay.dp * mbs):
+                continue
+            mp, m = ModulePlan(lay, rc, zero1=True), work.global_batch // (lay.dp * mbs)
+            t, fits = alone(mp, m)
+            if fits and t < chosen * (1 - 1e-12):
+                plan = homogeneous(mp, m, recompute=rc, zero1=True)
+                with contextlib.suppress(ValueError):  # check_plan: it cannot run
+                    assert not estimate(CFG, plan, work, hw, simulate=False).fits
+    assert r.gain("paper") == pytest.approx(100 * (r.best.tokens_per_s / stock.tokens_per_s - 1))
+    assert r.gain("best") == r.gain_pct and r.gain("paper") >= r.gain("best")
+    with pytest.raises(ValueError, match="unknown baseline 'megatron'; use one of paper, best"):
+        r.gain("megatron")
