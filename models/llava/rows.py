@@ -64,8 +64,11 @@ class Packer:
     def full(self) -> bool:
         return not self.pack and len(self.rows) == self.num_rows
 
-    def add(self, sample) -> bool:
-        row = self.place(len(sample.ids), len(sample.images), supervised_targets(sample.supervised))
+    def add(self, sample, slots: int | None = None) -> bool:
+        """Places ``sample``; it takes ``slots`` of its row's (default one per image;
+        Qwen2.5-VL's rows: one per patch)."""
+        slots = len(sample.images) if slots is None else slots
+        row = self.place(len(sample.ids), slots, supervised_targets(sample.supervised))
         if row is None:
             return False
         self.rows[row].append(sample)

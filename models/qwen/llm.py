@@ -36,13 +36,22 @@ class QwenDecoderBlock(nnx.Module):
     """RMSNorm -> causal GQA with mRoPE (biased q/k/v, fused per kv group as Llama's
     ``[D, G, R + 2, K]``) -> RMSNorm -> SwiGLU."""
 
-    def __init__(self, cfg: LLMConfig, section: Sequence[int], *, rngs: nnx.Rngs, dtype: Any):
+    def __init__(
+        self,
+        cfg: LLMConfig,
+        section: Sequence[int],
+        *,
+        rngs: nnx.Rngs,
+        dtype: Any,
+        max_segments: int | None = None,
+    ):
         if cfg.heads % cfg.kv_heads:
             raise ValueError(
                 f"Qwen LLM: heads={cfg.heads} is not a multiple of kv_heads={cfg.kv_heads}"
             )
         self.heads, self.kv_heads, self.head_dim = cfg.heads, cfg.kv_heads, cfg.head_dim
         self.theta, self.section = cfg.rope_theta, tuple(section)
+        self.max_segments = max_segments  # packed rows' bound (models.layers.DecoderBlock)
         group, kd, d = cfg.heads // cfg.kv_heads, cfg.head_dim, cfg.width
         self.attn_norm = RMSNorm(d, eps=cfg.norm_eps, dtype=dtype)
         self.qkv = Dense(
@@ -85,7 +94,15 @@ class QwenDecoderBlock(nnx.Module):
         k = tp(qkv_BxLxGxRxK[:, :, :, group], 2)
         v = tp(qkv_BxLxGxRxK[:, :, :, group + 1], 2)
         q, k = rotate(q, angles_BxLxJ), rotate(k, angles_BxLxJ)
-        a = self_attention(q, k, v, causal=True, positions=positions, segment_ids=segment_ids)
+        a = self_attention(
+            q,
+            k,
+            v,
+            causal=True,
+            positions=positions,
+            segment_ids=segment_ids,
+            max_segments=self.max_segments,
+        )
         a = tp(a.reshape(b, l, self.heads * kd), 2)
         x_BxLxD = x_BxLxD + parallel.exit_tensor_parallel(self.o(a))
         h = parallel.enter_tensor_parallel(self.mlp_norm(x_BxLxD))
@@ -102,15 +119,19 @@ def make_qwen_llm(
     name: str = "llm",
     *,
     loss_capacity: int | None = None,
+    max_segments: int | None = None,
 ) -> StagedModule:
     """The Qwen2 decoder; ``section``: the mRoPE pairs per temporal/height/width position;
-    ``placeholders``: modality -> token id (``{"image": id}``: images and videos alike)."""
+    ``placeholders``: modality -> token id (``{"image": id}``: images and videos alike);
+    ``max_segments``: a bound on packed rows' segments (the fused attention's layout)."""
     if cfg.moe is not None or cfg.tie_embeddings:
         raise ValueError("the Qwen LLM has a dense MLP and an untied head")
     return StagedModule(
         name,
         pre=lambda rngs: TokenEmbed(cfg, placeholders, rngs=rngs, dtype=dtype),
-        block=lambda rngs: QwenDecoderBlock(cfg, section, rngs=rngs, dtype=dtype),
+        block=lambda rngs: QwenDecoderBlock(
+            cfg, section, rngs=rngs, dtype=dtype, max_segments=max_segments
+        ),
         post=lambda rngs: LMHeadLoss(cfg, rngs=rngs, dtype=dtype, capacity=loss_capacity),
         num_layers=cfg.depth,
     )

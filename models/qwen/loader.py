@@ -1,21 +1,21 @@
 """Qwen2.5-VL batches from LLaVA-format record files: images and videos at native
-resolution, one sample per row.
+resolution, one sample per row or several packed (``pack``).
 
 The machinery is LLaVA's (:mod:`models.llava.loader`: the deterministic mixture of
 record files, worker threads reading ahead, a producer thread ``prefetch`` batches
 ahead, the position a checkpoint stores, bad records skipped and counted with
-``skip_bad``); what differs is a sample. :meth:`QwenData.load` reads the record, sizes
-each image (and each video's sampled frames) from the file headers with
-:func:`models.qwen.processor.smart_resize`, renders the ``qwen2_vl`` template with that
-many pads per image, and decodes the pixels into the sample's row: ``seq_len + 1``
-tokens with their 3D mRoPE positions, and its patches padded to the patch budget
-(:func:`models.qwen.grids.pack_row`), the same keys as the synthetic data
-(:mod:`models.qwen.data`).
+``skip_bad``; its packer); what differs is a sample. :meth:`QwenData.load` sizes each
+image and video from headers (:func:`models.qwen.processor.smart_resize`), renders the
+``qwen2_vl`` template with that many pads per item, and decodes the pixels; a step's
+rows (:mod:`models.qwen.packing`) hold ``seq_len + 1`` tokens with their 3D mRoPE
+positions and one vision row of their patches padded to the patch budget, the same keys
+as the synthetic data (:mod:`models.qwen.data`), and packed rows LLaVA's segment ids.
 
 Budgets (per row, as a microbatch's share): patches (``data.max_patches_per_microbatch``;
-default the most one of the first records has) and supervised tokens (as LLaVA's). A
-record over either is skipped and counted, never cut. Rows are not packed; ``balance``
-orders them by tokens for the LLM's ranks and by patches for the tower's.
+default the most one of the first records has, or packed the rows' 90% quantile),
+supervised tokens and packed samples (as LLaVA's). A record over a budget is skipped
+and counted, never cut; a packed row closes to it. ``balance`` orders rows by tokens
+for the LLM's ranks and by patches for the tower's.
 """
 
 from __future__ import annotations
@@ -32,9 +32,10 @@ from models.llava import rows as rows_lib
 from models.llava import run as llava_run
 from models.llava.loader import Batch, LlavaData, Loader, check_loss_tokens
 from models.llava.records import BadSample
+from models.llava.rows import Packer
 from models.llava.text import HFTokenizer
 
-from . import grids, video
+from . import packing, video
 from .processor import QwenImageProcessor
 from .records import QwenRecordFile, summary_counts
 from .template import QwenTokens, render
@@ -61,7 +62,14 @@ class QwenLoaderConfig:
     shuffle: bool = True
     workers: int = 4
     prefetch: int = 2
-    pack: bool = False  # rows are never packed (what models.llava.run's budgets read)
+    pack: bool = False  # several samples per row (models.qwen.packing)
+    samples_per_row: int | None = None  # packed: the most samples a row holds
+
+    @property
+    def images_per_row(self) -> int | None:
+        """A row's slots as :func:`models.llava.run.derived_loss_tokens` packs them: its
+        patches (a sample's "images" are its patches)."""
+        return self.patches_per_row
 
 
 @dataclasses.dataclass
@@ -71,7 +79,9 @@ class QwenSample:
     images: list  # the record's media (kind, path), in marker order
     truncated: bool
     patches: int  # the tower's patches for the sample
-    row: dict[str, np.ndarray] | None  # the batch row (None: not decoded)
+    grids: list  # (t, h, w) per item
+    seconds: list  # seconds per temporal patch per item (None: an image)
+    items: list | None = None  # (patches [n, I], grid) per item (None: not decoded)
 
 
 class QwenData(LlavaData):
@@ -152,14 +162,13 @@ class QwenData(LlavaData):
             raise BadSample(
                 "too_many_patches", where, f"{patches} patches, rows hold {c.patches_per_row}"
             )
-        sample = QwenSample(ids, sup, list(media), truncated, patches, None)
+        sample = QwenSample(ids, sup, list(media), truncated, patches, grid_list, seconds)
         if decode:
-            sample.row = self._row(sample, items, grid_list, seconds, where)
+            sample.items = self._decode(sample, items, where)
         return sample
 
-    def _row(self, sample: QwenSample, media, grid_list, seconds, where: str) -> dict:
-        """The sample's batch row: its pixels decoded, its positions laid out."""
-        c, v, t = self.config, self.processor.vision, self.tokens
+    def _decode(self, sample: QwenSample, media: list, where: str) -> list:
+        """The sample's items' patches and grids (every image and video decoded)."""
         items = []
         for (kind, path), item in zip(sample.images, media, strict=True):
             try:
@@ -173,21 +182,40 @@ class QwenData(LlavaData):
                 raise BadSample(
                     f"undecodable_{kind}", where, f"{kind} {path} does not decode: {e}"
                 ) from None
-        assert [g for _, g in items] == grid_list, "the headers and the pixels disagree"
-        ids = np.full(c.seq_len + 1, self.tokenizer.pad_id, np.int64)
-        ids[: len(sample.ids)] = sample.ids
-        supervised = np.zeros(c.seq_len + 1, np.float32)
-        supervised[: len(sample.supervised)] = sample.supervised
-        types = grids.token_types(ids[:-1], t.image_pad, t.video_pad)
-        positions = grids.rope_positions(v, types, grid_list, seconds)
-        ids = np.where(ids == t.video_pad, c.placeholder, ids).astype(np.int32)
-        return {
-            "tokens": ids[:-1],
-            "targets": ids[1:],
-            "loss_mask": supervised[1:],
-            "mrope_positions": positions.T.astype(np.int32),
-            **grids.pack_row(v, items, c.patches_per_row),
-        }
+        assert [g for _, g in items] == sample.grids, "the headers and the pixels disagree"
+        return items
+
+    def packer(self) -> Packer:
+        """An empty step of rows (LLaVA's packer, a row's patches as its slots)."""
+        c = self.config
+        return Packer(
+            c.global_batch,
+            c.seq_len + 1,
+            c.patches_per_row or 0,
+            pack=c.pack,
+            loss_tokens=c.loss_tokens_per_row,
+            samples=c.samples_per_row,
+        )
+
+    def arrays(self, packer: Packer) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        """The batch of ``packer``'s rows and their loads (:func:`packing.row_arrays`)."""
+        c, t = self.config, self.tokens
+        return packing.row_arrays(
+            packer,
+            self.processor.vision,
+            pad_id=self.tokenizer.pad_id,
+            image_pad=t.image_pad,
+            video_pad=t.video_pad,
+            placeholder=c.placeholder,
+            patches_per_row=c.patches_per_row,
+        )
+
+    def row(self, sample: QwenSample) -> dict[str, np.ndarray]:
+        """``sample`` alone in a row (decoded): the row's arrays."""
+        c = self.config
+        one = Packer(1, c.seq_len + 1, c.patches_per_row or 0, pack=False)
+        one.add(sample, sample.patches)
+        return {k: v[0] for k, v in self.arrays(one)[0].items()}
 
 
 class QwenLoader(Loader):
@@ -198,21 +226,23 @@ class QwenLoader(Loader):
 
     def _build(self, stream, state: dict[str, Any]) -> Batch:
         c = self.data.config
-        samples: list[QwenSample] = []
-        while len(samples) < c.global_batch:
+        packer = self.data.packer()
+        while not packer.full:
             _, sample = stream.peek()
             if isinstance(sample, BadSample):
                 self._skip(sample, state)
-            else:
-                self._bad_in_a_row = 0
-                state["truncated"] += int(sample.truncated)
-                samples.append(sample)
+                stream.pop()
+                continue
+            self._bad_in_a_row = 0
+            if not packer.add(sample, sample.patches):
+                break  # it starts the next step
+            state["truncated"] += int(sample.truncated)
             stream.pop()
         pos, _ = stream.peek()
         state["counts"] = list(pos)
-        loads = np.asarray([(min(len(s.ids), c.seq_len), s.patches) for s in samples], np.int64)
+        arrays, loads = self.data.arrays(packer)
         order = rows_lib.assign(loads, c.bins, balance=c.balance)
-        arrays = {k: np.stack([samples[i].row[k] for i in order]) for k in samples[0].row}
+        arrays = {k: v[order] for k, v in arrays.items()}
         metrics = rows_lib.metrics(loads[order], c.bins, c.seq_len)
         metrics["patches_per_step"] = metrics.pop("images_per_step")
         if "image_imbalance" in metrics:
@@ -257,8 +287,6 @@ def build(
             f"template={data.template!r}: Qwen2.5-VL records take the qwen2_vl template; "
             "use template=qwen2_vl"
         )
-    if data.pack:
-        raise ValueError("data.pack does not pack Qwen2.5-VL rows yet; drop data.pack")
     tok = HFTokenizer(data.tokenizer)
     llm = model.llm
     if tok.vocab_size > llm.vocab and grow_vocab:
@@ -287,6 +315,7 @@ def build(
         seed=seed,
         workers=data.workers,
         prefetch=data.prefetch,
+        pack=data.pack,
     )
     processor = QwenImageProcessor(vision, data.min_pixels, data.max_pixels)
     out = QwenData(list(data.sources.items()), tok, processor, cfg, image_folder=data.image_folder)
@@ -302,6 +331,10 @@ def build(
                 f"into one token; use max_patches_per_microbatch={up}"
             )
         source = "--max-patches-per-microbatch"
+    elif data.pack and measured.samples:
+        per, source = packing.packed_patches(
+            measured, data.global_batch, seq_len + 1, vision.merge_unit
+        )
     else:
         per = max([p for _, p, _ in measured.samples], default=vision.merge_unit)
         source = (
@@ -318,6 +351,13 @@ def build(
         loss, source = llava_run.derived_loss_tokens(out, measured)
     out.config = dataclasses.replace(out.config, loss_tokens_per_row=loss)
     out.loss_budget = llava_run.budget_line(loss, rows, source)
+    if data.pack:
+        if data.max_samples_per_row is not None:
+            samples, source = data.max_samples_per_row, "--max-samples-per-row"
+        else:
+            samples, source = llava_run.derived_samples(out, measured)
+        out.config = dataclasses.replace(out.config, samples_per_row=samples)
+        out.samples_budget = llava_run.samples_line(samples, source)
     return out, model
 
 

@@ -49,6 +49,8 @@ class QwenVL:
         packed: LLM rows hold several samples (``segment_ids``, ``positions``).
         loss_tokens_per_row: supervised tokens the LM head computes per row
             (:class:`models.llm.LMHeadLoss`); None: every position.
+        max_segments: packed: the most runs of equal segment ids a row has (the fused
+            attention's packed layout on a GPU; None: its mask is a bias there).
     """
 
     def __init__(
@@ -58,6 +60,7 @@ class QwenVL:
         *,
         packed: bool = False,
         loss_tokens_per_row: int | None = None,
+        max_segments: int | None = None,
     ):
         vision = config.vision
         if not isinstance(vision, QwenVisionConfig):
@@ -72,6 +75,7 @@ class QwenVL:
             )
         self.config = config
         self.packed = packed
+        self.max_segments = max_segments if packed else None
         self.loss_tokens_per_row = loss_tokens_per_row
         self.modules: dict[str, StagedModule] = {
             "vision": make_vision(vision, dtype),
@@ -82,6 +86,7 @@ class QwenVL:
                 {"image": self.placeholder("image")},
                 dtype,
                 loss_capacity=loss_tokens_per_row,
+                max_segments=self.max_segments,
             ),
         }
 

@@ -12,8 +12,8 @@ synthetic sample has, or one of the first records) and supervised tokens
 (``data.max_loss_tokens_per_microbatch``, as LLaVA's). ``model.init_from`` starts from a
 Hugging Face ``Qwen2_5_VLForConditionalGeneration`` directory: the model from its
 ``config.json`` (vision placeholder ids included), the weights read lazily per process
-(:func:`models.hf.qwen.read_qwen`). Packed rows and ``model.init`` (parts) are refused in
-one line.
+(:func:`models.hf.qwen.read_qwen`). ``data.pack`` packs record files' samples several to
+a row (:mod:`models.qwen.packing`); ``model.init`` (parts) is refused in one line.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from hetjax.config import TrainConfig
 from models import tokenizer
 from models.config import PRESETS, MLLMConfig, get_preset
+from models.llava.rows import attention_segments
 from models.llava.task import LlavaTask
 
 from . import flops as qwen_flops
@@ -112,7 +113,7 @@ class QwenTask(LlavaTask):
         from models.llava import run as llava_run
 
         rows = d.global_batch // config.parallel.microbatches
-        given = preset
+        given, max_segments, self.samples_budget = preset, None, ""
         if d.sources:  # record files (models.qwen.loader): the budgets come from them
             self.dataset, preset = qwen_loader.build(
                 d,
@@ -129,6 +130,9 @@ class QwenTask(LlavaTask):
                 self.dataset.loss_budget,
             )
             loss_tokens = self.dataset.config.loss_tokens_per_row
+            if d.pack:  # packed rows: their segments bound the attention's
+                max_segments = attention_segments(self.dataset.config.samples_per_row)
+                self.samples_budget = self.dataset.samples_budget
         else:
             if m.init_from:
                 check_synthetic_ids(m.init_from, preset)
@@ -145,7 +149,13 @@ class QwenTask(LlavaTask):
             self.loss_budget = llava_run.budget_line(loss_tokens, rows, source)
         self.config = preset
         dtype = jnp.bfloat16 if m.dtype == "bfloat16" else jnp.float32
-        self.mllm = QwenVL(preset, dtype, loss_tokens_per_row=loss_tokens)
+        self.mllm = QwenVL(
+            preset,
+            dtype,
+            packed=d.pack,
+            loss_tokens_per_row=loss_tokens,
+            max_segments=max_segments,
+        )
         # Real counts of each batch handed out, in step order, for flop_metrics (its
         # callback sees the supervised tokens only; the loop reports steps in order).
         self.counts: collections.deque = collections.deque()
@@ -172,8 +182,9 @@ class QwenTask(LlavaTask):
         return params
 
     def summary(self) -> dict[str, Any]:
-        """The patch and loss budgets, and where they came from (flag or data)."""
-        return {"patches": self.patch_budget, "loss tokens": self.loss_budget}
+        """The patch, loss and (packed) samples budgets, and where they came from."""
+        out = {"patches": self.patch_budget, "loss tokens": self.loss_budget}
+        return {**out, "samples per row": self.samples_budget} if self.samples_budget else out
 
     def step_flops(self, supervised: int, head_tokens: int) -> tuple[dict, dict, dict, dict]:
         """As :meth:`LlavaTask.step_flops` (what :meth:`LlavaTask.flop_metrics` reads),

@@ -135,7 +135,7 @@ def test_video_folder_record(made, tmp_path):
     proc = data.processor
     patches, grid = proc.frames([str(folder / f"{f:03d}.png") for f in (0, 1, 3, 4)])
     assert grid == (2, 2, 4)  # 40x50 -> 28x56 at max_pixels 3136
-    row = sample.row
+    row = data.row(sample)
     np.testing.assert_array_equal(row["patches"][: len(patches)], patches)
     assert (row["frame_ids"][: len(patches)] == np.repeat([0, 1], 8)).all()
     t = data.tokens
@@ -182,7 +182,7 @@ def test_video_file_record(made, tmp_path, codec, name):
         direct = [f.to_image() for i, f in enumerate(c.decode(video=0)) if i in (0, 1, 3, 5)]
     patches, grid = data.processor.images(direct)
     assert grid == (2, 4, 4)  # 48x64 -> 56x56
-    row = data.load(0, 0).row
+    row = data.row(data.load(0, 0))
     np.testing.assert_array_equal(row["patches"][: len(patches)], patches)
     assert (row["frame_ids"][: len(patches)] == np.repeat([0, 1], 16)).all()
     assert (row["frame_ids"][len(patches) :] == -1).all()
