@@ -1,16 +1,19 @@
 """Ask the planner for a layout: ``python -m experiments.plan``.
 
     python -m experiments.plan --encoder vit-6b --llm llm-120b --gpus 256 --seq-len 8192 \\
-        --gpu h100 [--global-batch 512] [--images 4] [--json out.json]
+        --gpu h100 [--global-batch 512] [--images 4] [--baseline paper|best] \\
+        [--json out.json]
 
-Prints the best plans (heterogeneous: colocated or non-colocated), the best homogeneous
-plan (the encoder inheriting the LLM's layout), the predicted gain and the memory per
-GPU. ``--model NAME`` plans a runnable preset (``tiny``, ``small``, ...) instead of the
-paper-scale ``--encoder`` / ``--llm`` shapes, as hetjax's executor runs it (one image per
-sample, its own sequence length, global batch 32 unless given; FP32 on ``--gpu cpu``).
-Otherwise an unset ``--global-batch`` is 4M tokens per step (``2**22 // seq_len``
-samples), what a Megatron user runs at this scale; ``--images``
-(default 4: 4096 image tokens, half of an 8K sample) sets the token density.
+Prints the best plans (heterogeneous: colocated or non-colocated), the two homogeneous
+baselines (the encoder inheriting the LLM's layout): ``hom`` the best one the search
+finds, ``stk`` the paper's (the LLM's own best layout with ZeRO-1, where it differs), the
+predicted gain over ``--baseline`` and the memory per GPU. ``--model NAME`` plans a
+runnable preset (``tiny``, ``small``, ...) instead of the paper-scale ``--encoder`` /
+``--llm`` shapes, as hetjax's executor runs it (one image per sample, its own sequence
+length, global batch 32 unless given; FP32 on ``--gpu cpu``). Otherwise an unset
+``--global-batch`` is 4M tokens per step (``2**22 // seq_len`` samples), what a Megatron
+user runs at this scale; ``--images`` (default 4: 4096 image tokens, half of an 8K
+sample) sets the token density.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ class PlanConfig:
     images: int = 4  # images per sample
     gpu: str = "h100"  # hardware profile (h100, h200, cpu)
     top: int = 5  # plans listed
+    baseline: str = "paper"  # the gain printed is over: paper (stock) or best (homogeneous)
     even_stages: bool = False  # LLM pp must divide its layers (always for --model)
     json: str | None = None  # write the result here
 
@@ -74,16 +78,22 @@ def as_dict(est) -> dict:
     }
 
 
-def table(result, top: int) -> str:
-    """The readable table."""
+def table(result, top: int, baseline: str = "paper") -> str:
+    """The readable table: the best plans, both baselines (``hom``: the best homogeneous
+    plan; ``stk``: the paper's stock one, when it differs) and the gain over ``baseline``."""
     head = f"{'':3} {'plan':<92} {'tok/s':>9} {'TFLOPS/GPU':>10} {'GiB/GPU':>8}"
     rows = [head]
     for i, e in enumerate(result.ranked[:top]):
         rows.append(_row(str(i + 1), e))
     rows.append(_row("hom", result.homogeneous))
+    stk = result.stock is not None and result.stock is not result.homogeneous
+    if stk:
+        rows.append(_row("stk", result.stock))
+    what = {"paper": f"the paper's baseline ({'stk' if stk else 'hom'})"}
+    what["best"] = "the best homogeneous plan (hom)"
     rows.append(
-        f"predicted gain of the best plan ({result.best.plan.mode}) over the homogeneous: "
-        f"{result.gain_pct:+.1f}% tokens/s ({result.candidates} plans priced in "
+        f"predicted gain of the best plan ({result.best.plan.mode}) over {what[baseline]}: "
+        f"{result.gain(baseline):+.1f}% tokens/s ({result.candidates} plans priced in "
         f"{result.seconds:.1f} s)"
     )
     return "\n".join(rows)
@@ -116,7 +126,7 @@ def main(config: PlanConfig) -> dict:
         f"{cfg.name} on {config.gpus} x {hw.name}, global batch {work.global_batch} x "
         f"{work.seq_len} tokens, {work.images_per_sample} images per sample"
     )
-    print(table(result, config.top))
+    print(table(result, config.top, config.baseline))
     out = {
         "model": cfg.name,
         "gpus": config.gpus,
@@ -126,8 +136,11 @@ def main(config: PlanConfig) -> dict:
         "images_per_sample": work.images_per_sample,
         "best": as_dict(result.best),
         "homogeneous": as_dict(result.homogeneous),
+        "paper_baseline": as_dict(result.stock) if result.stock is not None else None,
         "top": [as_dict(e) for e in result.ranked[: config.top]],
-        "gain_pct": result.gain_pct,
+        "baseline": config.baseline,
+        "gain_pct": result.gain(config.baseline),
+        "gain_pct_best": result.gain("best"),
         "search_seconds": result.seconds,
     }
     from experiments.cli import write_json
@@ -138,6 +151,7 @@ def main(config: PlanConfig) -> dict:
 
 def parse_args(argv: list[str]) -> PlanConfig:
     from experiments.cli import OneLineParser, positive_int
+    from hetjax.plan.search import BASELINES
 
     p = OneLineParser(prog="plan", description=__doc__.splitlines()[0])
     d = PlanConfig()
@@ -153,6 +167,13 @@ def parse_args(argv: list[str]) -> PlanConfig:
         "--even-stages", action="store_true", help="LLM pp divides its layers (hetjax's executor)"
     )
     p.add_argument("--top", type=positive_int, default=d.top, help="plans listed")
+    p.add_argument(
+        "--baseline",
+        default=d.baseline,
+        choices=BASELINES,
+        help="gain over: paper (the LLM's own layout, inherited by the encoder) or best "
+        "(the best homogeneous plan)",
+    )
     p.add_argument("--json", default=d.json, help="write the result as JSON")
     return PlanConfig(**vars(p.parse_args(argv)))
 

@@ -72,6 +72,9 @@ def test_cli_table_json_and_errors(tmp_path, capsys, monkeypatch):
     data = json.loads(out.read_text())
     assert data["best"]["mode"] in ("colocated", "non-colocated")
     assert data["homogeneous"]["peak_memory_gib"] <= data["homogeneous"]["memory_limit_gib"]
+    assert data["baseline"] == "paper" and data["gain_pct"] >= data["gain_pct_best"]
+    assert data["paper_baseline"]["mode"] == "homogeneous"
+    assert cli.parse_args(argv + ["--baseline", "best"]).baseline == "best"
     monkeypatch.setattr(sys, "argv", ["plan", "--gpu", "tpu9"])
     with pytest.raises(SystemExit) as done:
         run_cli(cli.cli, "plan")
