@@ -39,14 +39,20 @@ def _pairs(ids_BxN: np.ndarray) -> int:
     return total
 
 
+def row_patches(batch: Mapping[str, Any]) -> np.ndarray:
+    """``[B]`` real patches of each vision row (its samples' images and videos; padding
+    ``frame_ids`` are ``-1``): the tower's work per row, what balancing its rows over
+    data-parallel ranks weighs (the loader's ``balance`` orders rows by it)."""
+    return np.count_nonzero(np.asarray(batch["frame_ids"]) >= 0, axis=1)
+
+
 def vision_counts(batch: Mapping[str, Any]) -> VisionCounts:
     """The tower's sizes of ``batch`` (host arrays ``frame_ids``/``window_ids`` ``[B, N]``,
     padding ``-1``)."""
     frames, windows = np.asarray(batch["frame_ids"]), np.asarray(batch["window_ids"])
     rows, n = frames.shape
-    return VisionCounts(
-        int(np.count_nonzero(frames >= 0)), _pairs(windows), _pairs(frames), rows * n, rows * n * n
-    )
+    patches = int(row_patches(batch).sum())
+    return VisionCounts(patches, _pairs(windows), _pairs(frames), rows * n, rows * n * n)
 
 
 def forward_flops(

@@ -11,7 +11,7 @@ import pytest
 import hetjax.config as hc
 from models.config import get_preset
 from models.llava.rows import Packer
-from models.qwen import demo, loader
+from models.qwen import demo, flops, loader
 from models.qwen.model import QwenVL
 from tests.runtime.parity import case, check_matches_reference, reference_run
 
@@ -69,6 +69,7 @@ def test_packed_rows_are_their_samples_alone(packed):
     rows = Packer(3, SEQ + 1, data.config.patches_per_row, pack=True)
     samples = [s for s in samples if rows.add(s, s.patches)]
     arrays, loads = data.arrays(rows)
+    np.testing.assert_array_equal(flops.row_patches(arrays), loads[:, 1])  # what balance weighs
     assert max(len(r) for r in rows.rows) >= 2 and loads[:, 1].tolist() == [
         sum(s.patches for s in r) for r in rows.rows
     ]

@@ -138,6 +138,13 @@ def test_bad_settings_are_one_line():
         QwenTask(_config()).validate_layouts(
             {"vision": hc_layout("cp=2"), "llm": hc_layout("dp=2")}
         )
+    with pytest.raises(ValueError, match=r"^parallel.rebalance=vision: the Qwen2.5-VL tower's"):
+        QwenTask(
+            hc.TrainConfig(
+                model=hc.ModelConfig(preset="qwen2.5-vl-tiny"),
+                parallel=hc.ParallelConfig(rebalance="vision"),
+            )
+        )
     with pytest.raises(ValueError, match=r"^vision: pp=4 must divide the tower's 2 scanned"):
         QwenTask(_config()).validate_layouts({"vision": hc_layout("pp=4")})
     with pytest.raises(ValueError, match=r"^seq_len=16 is too short: synthetic Qwen samples"):
