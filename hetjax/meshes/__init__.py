@@ -1,7 +1,5 @@
 """Per-module layouts, device placement, module meshes and logical-axis rules."""
 
-from .fsdp import FsdpGather as FsdpGather
-from .fsdp import validate_fsdp as validate_fsdp
 from .layout import DEGREES as DEGREES
 from .layout import MESH_AXES as MESH_AXES
 from .layout import STAGE_AXES as STAGE_AXES
@@ -29,11 +27,11 @@ from .sequence import inverse_permutation as inverse_permutation
 from .sequence import zigzag_permutation as zigzag_permutation
 from .validation import validate_batch as validate_batch
 from .validation import validate_divisible as validate_divisible
+from .validation import validate_fsdp as validate_fsdp
 
 __all__ = [
     "BATCH_AXES",
     "FSDP_AXIS",
-    "FsdpGather",
     "gathered_spec",
     "is_logical_names",
     "validate_fsdp",

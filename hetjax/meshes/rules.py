@@ -13,7 +13,7 @@ MLP up/gate) and on the INPUT dim of row-parallel ones (attention out, MLP down)
 Fully sharded data parallelism falls out of one more (MaxText's): ``"embed"``, the model
 width every weight matrix has, maps to ``"fsdp"``. Parameters are stored sharded there;
 what each layer computes with is the same spec less ``"fsdp"`` (:func:`gathered_spec`),
-which ``hetjax.meshes.fsdp`` gathers inside the layer scan.
+which ``hetjax.runtime.fsdp`` gathers inside the layer scan.
 
 Mesh axes of size 1 are kept in the specs (they shard nothing), so a spec does not change
 with the degrees; ``"layers"`` maps to ``"pp"`` on a full module mesh and to nothing on a

@@ -1,4 +1,4 @@
-"""Shape checks for one module's layout: batch, heads, layers, ... against its degrees.
+"""Shape checks for one module's layout: batch, heads, layers, widths against its degrees.
 
 Checking here, before anything is compiled, turns an XLA divisibility traceback deep
 inside a stage program into one line that names the module, the numbers and the fix.
@@ -7,7 +7,12 @@ inside a stage program into one line that names the module, the numbers and the 
 
 from __future__ import annotations
 
+from typing import Any
+
+import jax
+
 from .layout import Layout, LayoutError
+from .rules import is_logical_names
 
 
 def validate_batch(module: str, layout: Layout, global_batch: int, microbatches: int = 1) -> None:
@@ -103,3 +108,32 @@ def validate_divisible(
                 f" use {degree_name} in {divisors[-4:]} or a {name} that is a multiple"
                 f" of {degree}"
             )
+
+
+def validate_fsdp(module: str, layout: Layout, axes: Any, abstract: Any) -> None:
+    """Checks that ``fsdp`` splits every parameter dimension it is meant to split.
+
+    Args:
+        module: module name for the error message.
+        layout: the module's layout.
+        axes: the parameters' logical axis names (a tree of tuples).
+        abstract: the parameters (arrays or ``ShapeDtypeStruct`` s), same tree.
+
+    Raises:
+        LayoutError: a dimension named ``"embed"`` (the one fsdp splits) whose size
+            ``fsdp`` does not divide, naming the parameter and the fix.
+    """
+    if layout.fsdp == 1:
+        return
+    flat_axes = jax.tree.leaves(axes, is_leaf=is_logical_names)
+    flat = jax.tree.leaves_with_path(abstract)
+    for names, (path, a) in zip(flat_axes, flat, strict=True):
+        for name, size in zip(names, a.shape, strict=True):
+            if name == "embed" and size % layout.fsdp:
+                divisors = [d for d in range(2, layout.fsdp) if size % d == 0]
+                raise LayoutError(
+                    f"{module}: fsdp={layout.fsdp} does not divide the model width {size}"
+                    f" of parameter {jax.tree_util.keystr(path)} {tuple(a.shape)} (its"
+                    f" 'embed' dim is split over fsdp); use fsdp in {[1, *divisors]} or a"
+                    f" width that is a multiple of {layout.fsdp}"
+                )

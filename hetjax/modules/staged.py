@@ -176,6 +176,7 @@ class StagedModule:
         stop: int | None = None,
         carry_sharding: jax.sharding.Sharding | None = None,
         unroll: int | bool | None = None,
+        call_layer: Callable[..., Any] | None = None,
         **kwargs: Any,
     ) -> Any:
         """Runs blocks ``[start, stop)`` of the stack with a scan.
@@ -184,7 +185,11 @@ class StagedModule:
         ``stop - start`` layers of a pipeline stage (then it is used as is).
         ``carry_sharding``, if given, constrains the activation between blocks (used for
         sequence parallelism); ``unroll`` overrides the module's layers per scan
-        iteration; ``kwargs`` go to every block.
+        iteration; ``kwargs`` go to every block. ``call_layer(block, layer_params, h,
+        kwargs)``, if given, runs one block inside the scan body in its own way (fully
+        sharded data parallelism gathers the layer's weights there:
+        ``hetjax.runtime.fsdp.FsdpGather.call``); by default ``block(layer_params, h,
+        kwargs)``.
         """
         if self._defs["blocks"] is None:
             return h
@@ -199,10 +204,15 @@ class StagedModule:
             )
         block_def = self._defs["blocks"]
 
+        def block(layer_params, carry, kw):
+            return nnx.merge(block_def, layer_params)(carry, **kw)
+
         def body(carry, layer_params):
             if carry_sharding is not None:
                 carry = jax.lax.with_sharding_constraint(carry, carry_sharding)
-            return nnx.merge(block_def, layer_params)(carry, **kwargs), None
+            if call_layer is not None:
+                return call_layer(block, layer_params, carry, kwargs), None
+            return block(layer_params, carry, kwargs), None
 
         unroll = self.unroll if unroll is None else unroll
         h, _ = jax.lax.scan(body, h, params, unroll=unroll)

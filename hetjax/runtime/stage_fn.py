@@ -7,20 +7,27 @@ sink: the summed loss) and the module's further parts. It is a pure function of
 the stage programs (:mod:`hetjax.runtime.programs`) compile it. It also fixes the
 activation shardings inside the stage (the residual stream between blocks, a module's
 output layout), which depend on whether it runs inside the replica vmap.
+
+With ``fsdp > 1`` every part runs on its gathered parameters (:class:`hetjax.runtime.
+fsdp.FsdpGather`): the blocks gather one layer at a time inside the layer scan, ``pre`` and
+``post`` (and the further parts) where they run; the gradients leave reduce-scattered.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 from typing import Any, Literal
 
 import jax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from hetjax.meshes import BATCH_AXES, sequence_axes
+from hetjax.meshes import BATCH_AXES, FSDP_AXIS, is_logical_names, sequence_axes
 from hetjax.ops.context import auto_axes, parallel_context, region_activation_sharding
 from hetjax.ops.token_routing import Routed
+from hetjax.runtime.fsdp import FsdpGather
 from hetjax.runtime.graph import ModuleSpec
 
 Segment = Literal["all", "main", "rest"]
@@ -98,31 +105,42 @@ class StageFunction:
         mine = params[main.name]
         if self.first:
             args = [batch[k] for k in self.spec.inputs]
-            h = main.apply_pre(mine["pre"], *args, **x) if "pre" in mine else args[0]
+            if "pre" in mine:
+
+                def pre(p, args, links):  # link inputs by name, as pytrees
+                    return main.apply_pre(p, *args, **links)
+
+                h = self._run((main.name, "pre"), pre, mine["pre"], args, x)
+            else:
+                h = args[0]
         else:
             h = x
         if "blocks" in mine:
             start, stop = self.spec.stage_layers(self.stage)
+            layer = self._gathers.get((main.name, "blocks"))
             h = main.apply_blocks(
                 mine["blocks"],
                 h,
                 start=start,
                 stop=stop,
                 carry_sharding=self._carry_sharding(h, batch_axes=self.batch_axes(per_replica)),
+                call_layer=None if layer is None else layer.call,
                 **{k: batch[k] for k in self.spec.block_inputs},
             )
         if not self.last:
             return h
+        post = main.apply_post
         if self.is_sink:
-            return main.apply_post(mine["post"], h, *[batch[k] for k in self.spec.loss_inputs])
+            loss_inputs = [batch[k] for k in self.spec.loss_inputs]
+            return self._run((main.name, "post"), post, mine["post"], h, *loss_inputs)
         if "post" in mine:
-            h = main.apply_post(mine["post"], h)
+            h = self._run((main.name, "post"), post, mine["post"], h)
         return h
 
     def _apply_rest(self, params, h, per_replica):
         """The further parts of a non-sink module's last stage, and its output layout."""
         for part in self.spec.parts[1:]:
-            h = part(params[part.name], h)
+            h = self._run((part.name,), part, params[part.name], h)
         if sequence_axes(self.mesh) is not None:
             # A module's output leaves batch-split and whole over cp (the boundary's
             # source layout), so its cp ranks' token slices are gathered here.
@@ -131,10 +149,33 @@ class StageFunction:
         return h
 
     def batch_axes(self, per_replica: bool) -> tuple[str, ...] | None:
-        """Mesh axes the batch dimension is split over, here or inside the replica vmap."""
+        """Mesh axes the batch dimension is split over, here or inside the replica vmap
+        (there the vmap adds ``dp``; what is left: fsdp and ep where they split it)."""
         if not per_replica:
             return BATCH_AXES
-        return ("ep",) if self.mesh.shape["ep"] > 1 else None
+        inner = tuple(a for a in (FSDP_AXIS, "ep") if self.mesh.shape[a] > 1)
+        return inner or None
+
+    @functools.cached_property
+    def _gathers(self) -> dict[tuple[str, ...], FsdpGather]:
+        """Under fsdp: how each piece's parameters are gathered, keyed ``(main part,
+        "pre" | "blocks" | "post")`` (``"blocks"``: ONE layer's, gathered inside the
+        scan) and ``(further part,)``. Empty without fsdp: nothing changes then."""
+        if not FsdpGather.active(self.mesh):
+            return {}
+        main, *rest = self.spec.parts
+        axes = main.logical_axes()
+        gathers = {(main.name, k): FsdpGather(self.mesh, v) for k, v in axes.items()}
+        if "blocks" in axes:  # one layer: its names less the leading "layers"
+            layer = jax.tree.map(lambda n: n[1:], axes["blocks"], is_leaf=is_logical_names)
+            gathers[(main.name, "blocks")] = FsdpGather(self.mesh, layer)
+        gathers.update({(p.name,): FsdpGather(self.mesh, p.logical_axes()) for p in rest})
+        return gathers
+
+    def _run(self, key: tuple[str, ...], fn: Callable, params: Any, *args: Any) -> Any:
+        """``fn(params, *args)``; under fsdp on the gathered ``params`` (:attr:`_gathers`)."""
+        gather = self._gathers.get(key)
+        return fn(params, *args) if gather is None else gather.call(fn, params, *args)
 
     def _carry_sharding(self, h: Any, *, batch_axes: Any) -> NamedSharding | None:
         """The residual stream between blocks.

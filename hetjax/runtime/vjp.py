@@ -33,8 +33,6 @@ forward returns: nothing is written aside while tracing.
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -43,6 +41,7 @@ from jax.sharding import PartitionSpec as P
 
 from hetjax.ops.dense import DENSE_OUTPUT
 from hetjax.runtime.replicas import MANUAL_AXES_ORDER, PER_RANK, ReplicaMap
+from hetjax.runtime.residuals import Residuals
 from hetjax.runtime.stage_fn import StageFunction, split_parts
 from hetjax.runtime.update import accumulate
 
@@ -55,39 +54,6 @@ SELECTIVE_POLICY = jax.checkpoint_policies.save_from_both_policies(
     jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     jax.checkpoint_policies.save_only_these_names(DENSE_OUTPUT),
 )
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class Residuals:
-    """What a ``none`` / ``selective`` forward keeps for its backward: the leaves of the
-    stage's ``jax.vjp`` function, less those that are parameters (``slots``: position in
-    the flattened vjp -> index into the stage's parameter leaves; the backward puts its
-    own parameters back there)."""
-
-    leaves: tuple[jax.Array, ...]  # [R, ...] per replica
-    tree: Any = dataclasses.field(metadata=dict(static=True))  # the vjp's treedef
-    slots: tuple[tuple[int, int], ...] = dataclasses.field(metadata=dict(static=True))
-
-    @classmethod
-    def of(cls, vjp: Any, params: Sequence[Any]) -> Residuals:
-        """The residuals of the vjp function ``vjp``, less the leaves in ``params`` (the
-        stage's parameter leaves, matched by identity)."""
-        leaves, tree = jax.tree.flatten(vjp)
-        index = {id(p): i for i, p in enumerate(params)}
-        slots = tuple((j, index[id(a)]) for j, a in enumerate(leaves) if id(a) in index)
-        dropped = {j for j, _ in slots}
-        kept = tuple(a for j, a in enumerate(leaves) if j not in dropped)
-        return cls(kept, tree, slots)
-
-    def vjp(self, params: Sequence[Any]) -> Callable:
-        """The vjp function again, with ``params`` (the stage's parameter leaves) back in
-        their slots."""
-        leaves, rest = [None] * (len(self.leaves) + len(self.slots)), iter(self.leaves)
-        for j, i in self.slots:
-            leaves[j] = params[i]
-        leaves = [next(rest) if a is None else a for a in leaves]
-        return self.tree.unflatten(leaves)
 
 
 class StageVjp:

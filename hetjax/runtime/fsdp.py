@@ -1,0 +1,112 @@
+"""Fully sharded data parallelism inside a stage: gather a layer's weights where it runs.
+
+Parameters are stored split over the ``fsdp`` mesh axis (the logical rule ``"embed" ->
+"fsdp"``, :mod:`hetjax.meshes.rules`); what a layer computes with is the same spec less
+``"fsdp"`` (:func:`hetjax.meshes.gathered_spec`). :meth:`FsdpGather.call` runs a piece
+of the model (one layer inside the scanned block body, a part's ``pre`` or ``post``) on
+its gathered weights, as a ``custom_vjp``:
+
+- **Forward: one all-gather per layer**, inside the scan iteration that uses it, so XLA
+  gathers layer ``i`` in iteration ``i`` (and may overlap the gather of ``i + 1`` with
+  the compute of ``i``) rather than the whole stack up front.
+- **Backward: one more all-gather, and a reduce-scatter of the gradient.** The gathered
+  weights are not among the residuals the forward keeps (:class:`Residuals` drops the
+  leaves that are the gathered weights themselves, which :func:`hetjax.ops.dense` keeps
+  as they came): the backward gathers them again, as MaxText and PyTorch FSDP do, rather
+  than a stash holding a whole copy of every layer's weights per microbatch. The weight
+  cotangent is constrained back to the stored (split) sharding, so each layer's gradient
+  leaves its backward iteration reduce-scattered over fsdp.
+
+Why a ``custom_vjp`` and not a sharding constraint alone: the transpose of a constraint
+gives the cotangent the GATHERED sharding (an all-reduce, twice the bytes, and a whole
+gradient per device); and a remat policy that saves everything but the gathered weights
+(by name) still saves the residual outputs of a ``custom_vjp`` layer such as
+:func:`hetjax.ops.dense`, which are new values to the policy: the weights were stashed.
+
+The batch is split over fsdp as over dp (``"batch" -> ("dp", "fsdp", "ep")``): each
+fsdp rank runs its own rows with the whole layer, and the reduce-scatter sums the ranks'
+partial weight gradients. Unlike dp, fsdp ranks are not separate gradient replicas
+(:mod:`hetjax.runtime.replicas` maps over ``dp`` only), so the accumulator keeps the
+parameter's split: a reduce-scatter per microbatch rather than an all-reduce once per
+step, the price of never holding a whole gradient; ZeRO-1 splits what is left over dp.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from hetjax.meshes import FSDP_AXIS, gathered_spec, is_logical_names, logical_to_spec
+from hetjax.runtime.residuals import Residuals
+
+
+class FsdpGather:
+    """Runs a piece of a model on its gathered parameters (see the module docstring).
+
+    Args:
+        mesh: the stage's submesh.
+        axes: the piece's logical axis names (a tree of tuples, one per parameter) as
+            they are where it runs: one layer's without ``"layers"``.
+    """
+
+    def __init__(self, mesh: Mesh, axes: Any):
+        self.mesh = mesh
+        self.specs = jax.tree.map(
+            lambda names: logical_to_spec(names, stage_mesh=True), axes, is_leaf=is_logical_names
+        )
+
+    @staticmethod
+    def active(mesh: Mesh) -> bool:
+        """Whether ``mesh`` splits parameters at all (an ``fsdp`` axis of size > 1)."""
+        return mesh.shape.get(FSDP_AXIS, 1) > 1
+
+    def call(self, fn: Callable, params: Any, *args: Any) -> Any:
+        """``fn(gathered params, *args)``, differentiable in ``params`` and ``args``."""
+        return _gathered_call(self, fn, params, args)
+
+    def gather(self, params: Any) -> Any:
+        """``params`` with every fsdp-split leaf constrained to its gathered sharding."""
+        return self._constrain(params, gathered_spec)
+
+    def scatter(self, grads: Any) -> Any:
+        """Gradients of the gathered ``params`` constrained to the stored sharding."""
+        return self._constrain(grads, lambda spec: spec)
+
+    def _constrain(self, tree: Any, spec_of: Callable) -> Any:
+        here = jax.sharding.get_abstract_mesh()
+        # Inside a shard_map (a stage run per cp rank) a constraint names the region's
+        # own abstract mesh; fsdp and tp are left automatic there.
+        mesh = here if here.manual_axes else self.mesh
+
+        def leaf(spec: PartitionSpec, x: jax.Array) -> jax.Array:
+            if FSDP_AXIS not in jax.tree.leaves(tuple(spec)):
+                return x
+            return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec_of(spec)))
+
+        return jax.tree.map(leaf, self.specs, tree, is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _gathered_call(gather: FsdpGather, fn: Callable, params: Any, args: tuple) -> Any:
+    return fn(gather.gather(params), *args)
+
+
+def _gathered_call_fwd(gather, fn, params, args):
+    whole = gather.gather(params)
+    out, vjp = jax.vjp(lambda w, a: fn(w, *a), whole, args)
+    return out, (Residuals.of(vjp, jax.tree.leaves(whole)), params)
+
+
+def _gathered_call_bwd(gather, fn, saved, g):
+    del fn
+    residuals, params = saved
+    whole = gather.gather(params)  # gathered again, not kept from the forward
+    g_whole, g_args = residuals.vjp(jax.tree.leaves(whole))(g)
+    return gather.scatter(g_whole), g_args
+
+
+_gathered_call.defvjp(_gathered_call_fwd, _gathered_call_bwd)
