@@ -140,7 +140,8 @@ def ring_attention(
         segment_ids: ``[B, L]`` sample id of every stored token of packed rows (stored
             like the tokens), or None: a query then sees only keys of its own segment,
             and ``positions`` are the tokens' positions within their samples. Their
-            blocks travel the ring with the K/V blocks.
+            blocks travel the ring with the K/V blocks. With ``causal=False`` the mask
+            is the segments' alone (an encoder's packed images or windows).
         dense_at_cp1: with ``cp == 1``, run :func:`causal_attention` (the default);
             False runs ``impl``'s per-rank kernel on the one rank anyway - the ring's
             online-softmax block with its custom backward, or the all-gather's dense
@@ -179,9 +180,7 @@ def ring_attention(
             f"ring_attention: positions has shape {positions.shape}; expected ({seq},) or"
             f" ({b}, {seq})"
         )
-    if segment_ids is not None:
-        if not causal:
-            raise ValueError("ring_attention: segment_ids need causal=True")
+    if segment_ids is not None:  # non-causal: equal positions leave the segment mask alone
         segment_ids = jnp.asarray(segment_ids, jnp.int32)
         if segment_ids.shape != (b, seq):
             raise ValueError(

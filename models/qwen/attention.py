@@ -5,6 +5,9 @@ query sees only keys with its own segment id (a frame in the full-attention laye
 window in the others), in any order and both ways. ``hetjax.ops``' packed attention
 (:func:`hetjax.ops.ring_kernels.causal_attention`) is causal by position; a non-causal
 segment mask is this file's one addition (its float32 maths are the plain path's).
+Under context parallelism (the tower's patches split over cp) the keys of other ranks
+come round :func:`hetjax.ops.ring_attention.ring_attention`'s ring, its segment ids with
+them, non-causal: the same mask, a block at a time.
 
 On a GPU in bf16/f16 the mask goes to cuDNN as a bias
 (:func:`hetjax.ops.fused_attention.masked_fused_attention`); the scores are then never
@@ -19,7 +22,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from hetjax.ops import context as parallel
 from hetjax.ops.fused_attention import Kernel, bias_fused_applies, masked_fused_attention
+from hetjax.ops.ring_attention import ring_attention
 
 
 def segment_attention(
@@ -42,6 +47,10 @@ def segment_attention(
     Returns:
         ``[B, N, H, K]`` in the dtype of ``q``.
     """
+    ctx = parallel.current()
+    if ctx is not None and ctx.cp > 1:
+        ring = dict(mesh=ctx.mesh, batch_axes=ctx.batch_axes, segment_ids=segment_ids_BxN)
+        return ring_attention(q_BxNxHxK, k_BxNxHxK, v_BxNxHxK, None, causal=False, **ring)
     mask_Bx1xNxN = segment_ids_BxN[:, None, :, None] == segment_ids_BxN[:, None, None, :]
     if kernel is None:
         kernel = "cudnn" if bias_fused_applies(q_BxNxHxK, k_BxNxHxK) else "plain"

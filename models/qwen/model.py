@@ -218,9 +218,3 @@ class QwenVL:
                 f"attention pattern); use a pp that divides {v.groups}"
             )
         validate_divisible("vision", layout, heads=v.heads, mlp=v.mlp)
-        if layout.cp > 1:
-            raise LayoutError(
-                f"vision: cp={layout.cp}, but the Qwen2.5-VL tower's window attention does "
-                "not split its patches over cp; give vision cp=1 (its own layout, not the "
-                "LLM's, e.g. non-homogeneous placement)"
-            )

@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import math
 import pathlib
 from collections.abc import Mapping
 from typing import Any
@@ -28,6 +29,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from hetjax import Layout, LayoutError
 from hetjax.config import TrainConfig
 from models import tokenizer
 from models.config import PRESETS, MLLMConfig, get_preset
@@ -154,7 +156,8 @@ class QwenTask(LlavaTask):
                 d.max_loss_tokens_per_microbatch, data, rows
             )
             self.loss_budget = llava_run.budget_line(loss_tokens, rows, source)
-        self.config = preset
+        self.config, self.rows = preset, rows
+        self.patches_per_row = self.dataset.config.patches_per_row  # the tower's row length
         dtype = jnp.bfloat16 if m.dtype == "bfloat16" else jnp.float32
         self.mllm = QwenVL(
             preset,
@@ -168,6 +171,23 @@ class QwenTask(LlavaTask):
         self.counts: collections.deque = collections.deque()
 
     # -- the protocol: LlavaTask's over ``self.mllm``, but for these ----------------------
+
+    def validate_layouts(self, layouts: Mapping[str, Layout]) -> None:
+        """:meth:`QwenVL.validate_layouts`, and a tower with cp > 1 splits each row's
+        patches (the patch budget per row) evenly over its cp ranks.
+
+        Raises:
+            LayoutError: one line naming the patch budget that splits.
+        """
+        self.mllm.validate_layouts(layouts, seq_len=self.seq_len)
+        cp = layouts["vision"].cp if "vision" in layouts else 1
+        if cp > 1 and self.patches_per_row % cp:
+            unit = math.lcm(cp, self.config.vision.merge_unit)
+            up = -(-self.patches_per_row // unit) * unit * self.rows
+            raise LayoutError(
+                f"vision: cp={cp} must divide a row's {self.patches_per_row} patches (the "
+                f"tower splits each row over cp); use max_patches_per_microbatch={up}"
+            )
 
     def initial_params(self, key: jax.Array, *, lead: bool) -> Any:
         """Fresh parameters, or ``model.init_from``'s weights read lazily (each process

@@ -4,9 +4,11 @@ One reference run (two steps of ``qwen2.5-vl-tiny`` on synthetic batches that mi
 sizes, two images per sample, text-only samples and a 4-frame video, with the trainer's
 patch and loss budgets) is shared by every layout: colocated with the tower tensor
 parallel, non-colocated with the tower pipelined over its periods (its per-block
-positions and window/frame ids on every stage), and the LLM with cp=2 (the merged
+positions and window/frame ids on every stage), the LLM with cp=2 (the merged
 tokens routed to the cp rank of their placeholders, the mRoPE positions split with the
-tokens). Then the entry point's own run and its one-line errors.
+tokens), the tower with cp=2 (its patches split over cp, window and frame attention a
+non-causal segment-masked ring) and the homogeneous baseline with cp=2. Then the entry
+point's own run and its one-line errors.
 """
 
 from __future__ import annotations
@@ -62,6 +64,24 @@ def qwen_reference():
             llm="dp=2,tp=2",
         ),
         case("qwen2.5-vl-tiny", "colocated", 1, id="llm-cp2", vision="dp=8", llm="dp=2,cp=2,tp=2"),
+        # the tower's patches split over cp: its windows' and frames' keys come round the ring
+        case(
+            "qwen2.5-vl-tiny",
+            "colocated",
+            2,
+            id="vision-cp2",
+            vision="dp=2,cp=2,tp=2",
+            llm="dp=4,tp=2",
+        ),
+        # the baseline: the tower inherits the LLM's first stage, cp included
+        case(
+            "qwen2.5-vl-tiny",
+            "homogeneous",
+            2,
+            id="homogeneous-cp2",
+            vision="dp=2,cp=2,tp=2",
+            llm="dp=2,cp=2,tp=2",
+        ),
         # across islands the tokens cross split over cp, then one all-to-all to their owners
         case(
             "qwen2.5-vl-tiny",
@@ -75,8 +95,9 @@ def qwen_reference():
 )
 def test_layouts_match_one_device(c, qwen_reference):
     ex = check_matches_reference(c, qwen_reference)
-    # cp: the merged tokens travel routed to their placeholders' ranks
-    assert bool(ex.plan.routed) == (c.parsed["llm"].cp > 1)
+    # cp: the merged tokens travel routed to their placeholders' ranks (homogeneous: the
+    # tower already has the LLM's layout, its tokens arrive whole per cp rank)
+    assert bool(ex.plan.routed) == (c.parsed["llm"].cp > 1 and c.mode != "homogeneous")
 
 
 def test_entry_point_trains_a_qwen_preset(tmp_path):
@@ -134,9 +155,13 @@ def test_patch_budget_from_the_flag():
 
 
 def test_bad_settings_are_one_line():
-    with pytest.raises(ValueError, match=r"^vision: cp=2, but the Qwen2.5-VL tower"):
+    with pytest.raises(
+        ValueError,
+        match=r"^vision: cp=3 must divide a row's 64 patches .*"
+        r"use max_patches_per_microbatch=288$",
+    ):
         QwenTask(_config()).validate_layouts(
-            {"vision": hc_layout("cp=2"), "llm": hc_layout("dp=2")}
+            {"vision": hc_layout("cp=3"), "llm": hc_layout("dp=2")}
         )
     with pytest.raises(ValueError, match=r"^parallel.rebalance=vision: the Qwen2.5-VL tower's"):
         QwenTask(
