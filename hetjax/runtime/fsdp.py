@@ -34,6 +34,7 @@ step, the price of never holding a whole gradient; ZeRO-1 splits what is left ov
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -110,3 +111,30 @@ def _gathered_call_bwd(gather, fn, saved, g):
 
 
 _gathered_call.defvjp(_gathered_call_fwd, _gathered_call_bwd)
+
+
+def bytes_per_device(tree: Any) -> int:
+    """The most bytes any one device holds of ``tree``'s arrays, measured from their
+    addressable shards (what a run really keeps, whatever the shardings say)."""
+    held: dict[Any, int] = {}
+    for a in jax.tree.leaves(tree):
+        for shard in getattr(a, "addressable_shards", ()):
+            held[shard.device] = held.get(shard.device, 0) + shard.data.nbytes
+    return max(held.values(), default=0)
+
+
+def expected_bytes_per_device(tree: Any) -> int:
+    """What :func:`bytes_per_device` should be under fsdp: each leaf's bytes per device
+    with its sharding less fsdp (as without it), divided by the fsdp degree where the
+    leaf is split over fsdp (the largest per-device share over the leaves' devices)."""
+    total = 0
+    for a in jax.tree.leaves(tree):
+        sharding = getattr(a, "sharding", None)
+        if not isinstance(sharding, NamedSharding):
+            continue
+        spec, mesh = sharding.spec, sharding.mesh
+        whole = NamedSharding(mesh, gathered_spec(spec)).shard_shape(a.shape)
+        nbytes = math.prod(whole) * a.dtype.itemsize
+        split = FSDP_AXIS in jax.tree.leaves(tuple(spec))
+        total += nbytes // mesh.shape[FSDP_AXIS] if split else nbytes
+    return total

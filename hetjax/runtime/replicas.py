@@ -74,13 +74,18 @@ def cp_local(spec: ModuleSpec, mesh: Mesh, *, is_sink: bool, moe: bool) -> bool:
     * ...") and GSPMD left the replica vmap's dp axis unpartitioned (every device computed
     both dp replicas' attention blocks; 1.7x the cost model's backward FLOPs in
     ``tests/plan/test_validation.py``'s ``colocated_cp``). Manual over dp as well, only
-    tp is left, and both compile as they should."""
+    tp is left, and both compile as they should. Fully sharded data parallelism leaves
+    fsdp automatic too: with tp > 1 as well (two automatic axes) jax 0.10.2's partitioner
+    aborts with the same check, so such a stage is not run per cp rank; fsdp with tp = 1
+    is. (Making fsdp manual there too would need explicit gathers and reduce-scatters in
+    :mod:`hetjax.runtime.fsdp`.)"""
     return (
         mesh.shape[CP_AXIS] > 1
         and is_sink
         and bool(spec.seq_inputs)
         and mesh.shape["ep"] == 1
         and not moe
+        and not (mesh.shape["fsdp"] > 1 and mesh.shape["tp"] > 1)
     )
 
 
