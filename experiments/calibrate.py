@@ -1,80 +1,295 @@
-"""Calibrate the CPU profile's matmul curve: ``python -m experiments.calibrate``.
+"""Fit a hardware profile from measured runs: ``python -m experiments.calibrate``.
 
-    python -m experiments.calibrate [--devices 8] [--tokens 2048] [--json out.json]
+    python -m experiments.calibrate [--devices 8] [--write] [--json out.json]
+    python -m experiments.calibrate --gpu-record experiments/results/gpu_check_h200.json [--write]
 
-Times one jitted program per width ``w``: a ``[tokens, w] @ [w, w]`` matmul per device,
-batch-sharded over all simulated devices at once (they share the host's cores, as in
-training), median of 5 runs after a warm-up; per device FLOPs ``2 tokens w^2``. Fits
-``R w / (w + k)`` (:func:`hetjax.plan.calibrate.fit_matmul`) and prints the fit, each
-point, and the profile line to put in ``hetjax/plan/hardware.py``.
+CPU (the default): times small programs on the simulated devices, all of them at once
+(they share the host's cores, as in training), median of ``REPS`` runs after a warm-up:
+
+- matmuls ``[tokens, w] @ [w, w]`` per device at ``WIDTHS``: ``R w / (w + k)``
+  (:func:`hetjax.plan.calibrate.fit_matmul`) gives ``peak_tflops`` and ``matmul_knee``;
+- an element-wise ``x * a + b`` at ``SIZES`` elements per device: the line through
+  (bytes read and written, seconds) gives ``hbm_tbps``;
+- an all-reduce over every device at ``SIZES``: the line through (bytes each device
+  sends, seconds) gives the link bandwidth and ``latency_us``;
+- the executor itself on a model of negligible compute (``tiny`` shrunk, non-colocated
+  vision ``dp=4`` | LLM ``pp=4``, 4 microbatches): what the rest of the profile does
+  not explain of its step, over the host calls the planner counts, is ``dispatch_us``.
+
+GPU: fits ``matmul_efficiency`` and ``memory_efficiency`` of the built-in H200 so that
+the cost model prices the ``gpu_check`` record's stage rows as measured (the LLM's loss
+stage and the ViT stage, policy ``none``; they ran plain attention: the record predates
+the fused kernel) and its plain attention row (:func:`hetjax.plan.calibrate.fit_efficiencies`),
+and ``fused_attention_efficiency`` from the record's fused attention time. The H100
+profile is the H200's with the H100's memory (80 GiB, 3.35 TB/s HBM3); its compute
+(989 TFLOP/s BF16) and links are the same, so only memory-bound work slows, by 4.8 / 3.35.
+
+``--write`` writes ``hetjax/plan/profiles/<name>.json`` (what
+:func:`hetjax.plan.get_profile` loads), with what it was fitted on: machine, date, jax
+version, devices and the points.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import os
+import platform
 import statistics
 import time
+from typing import Any
 
-WIDTHS = (8, 16, 32, 64, 128, 256, 512)
+WIDTHS = (32, 64, 128, 256, 512, 1024)
+SIZES = (2**16, 2**18, 2**20, 2**22)  # float32 elements per device
+TOKENS = 1024  # matmul rows per device
+REPS = 5
+HBM_RATIO = 3.35 / 4.8  # H100 / H200 memory bandwidth (TB/s)
 
 
 @dataclasses.dataclass(frozen=True)
 class CalibrateConfig:
     devices: int = 8  # simulated CPU devices
-    tokens: int = 2048  # rows per device
+    gpu_record: str | None = None  # fit h200 / h100 from this gpu_check record instead
+    write: bool = False  # write hetjax/plan/profiles/<name>.json
     json: str | None = None  # write the points and the fit
 
 
-def measure(tokens: int, devices: list) -> list[tuple[float, float, float]]:
+def _median_time(f: Any, *args: Any) -> float:
+    import jax
+
+    jax.block_until_ready(f(*args))
+    times = []
+    for _ in range(REPS):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure(devices: list) -> dict[str, list]:
+    """Per device: matmul ``(width, flops, s)``, element-wise ``(bytes, s)`` and all-reduce
+    ``(bytes sent, s)`` points on ``devices`` at once."""
     import jax
     import jax.numpy as jnp
     import numpy as np
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
+    n = len(devices)
     mesh = Mesh(np.asarray(devices), ("d",))
-    out = []
+    put = lambda shape: jax.device_put(jnp.ones(shape), NamedSharding(mesh, P("d")))  # noqa: E731
+    matmul = jax.jit(lambda a, b: jnp.einsum("dtw,dwv->dtv", a, b))
+    axpy = jax.jit(lambda x: x * 1.5 + 0.5)
+    total = jax.jit(
+        jax.shard_map(lambda x: jax.lax.psum(x, "d"), mesh=mesh, in_specs=P("d"), out_specs=P("d"))
+    )
+    out: dict[str, list] = {"matmul": [], "elementwise": [], "all_reduce": []}
     for w in WIDTHS:
-        x = jax.device_put(jnp.ones((len(devices), tokens, w)), NamedSharding(mesh, P("d")))
-        y = jax.device_put(jnp.ones((len(devices), w, w)), NamedSharding(mesh, P("d")))
-        f = jax.jit(lambda a, b: jnp.einsum("dtw,dwv->dtv", a, b))
-        jax.block_until_ready(f(x, y))
-        times = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            jax.block_until_ready(f(x, y))
-            times.append(time.perf_counter() - t0)
-        out.append((float(w), 2.0 * tokens * w * w, statistics.median(times)))
+        t = _median_time(matmul, put((n, TOKENS, w)), put((n, w, w)))
+        out["matmul"].append((float(w), 2.0 * TOKENS * w * w, t))
+    for size in SIZES:
+        x = put((n, size))
+        out["elementwise"].append((2.0 * 4 * size, _median_time(axpy, x)))
+        out["all_reduce"].append((2.0 * (n - 1) / n * 4 * size, _median_time(total, x)))
     return out
 
 
-def main(config: CalibrateConfig) -> dict:
-    from experiments.cli import setup_devices
+def dispatch_us(devices: list, hw: Any) -> tuple[float, dict]:
+    """The executor's host cost per call: a negligible-compute step (see the module doc),
+    less what ``hw`` prices of it without dispatch, over the planner's call count."""
+    from experiments import validate_plan as vp
+    from experiments.bench_executor import nano_preset
 
-    devices = setup_devices(config.devices)
-    from hetjax.plan.calibrate import fit_matmul
+    nano = nano_preset(4)
+    row = vp.Row("nano dispatch", "tiny", "non-colocated", "dp=4", "pp=4", 4)
+    got = vp.measure(row, devices, 5, preset=nano)
+    rest, calls = vp.predict(row, dataclasses.replace(hw, dispatch_us=0.0), cfg=nano)
+    return max(got["measured_step_s"] - rest, 0.0) / calls * 1e6, {**got, "planned_calls": calls}
 
-    points = measure(config.tokens, devices)
-    fit = fit_matmul(points)
-    for w, f, t in points:
-        pred = f * (w + fit.knee) / (fit.tflops * 1e12 * w)
-        print(
-            f"width {int(w):4d}: {f / t / 1e9:8.2f} GFLOP/s per device measured, "
-            f"{f / pred / 1e9:8.2f} fitted"
-        )
-    print(
-        f"fit: R = {fit.tflops * 1e3:.2f} GFLOP/s per device, knee k = {fit.knee:.1f}, "
-        f"worst point {fit.max_rel_error:.1%} off"
+
+def cpu_profile(devices: list) -> tuple[Any, dict]:
+    """The CPU profile fitted on ``devices`` now, and the record of what it was fitted on."""
+    import jax
+
+    from hetjax.plan import get_profile
+    from hetjax.plan.calibrate import fit_line, fit_matmul
+
+    points = measure(devices)
+    mm = fit_matmul(points["matmul"])
+    ew, ar = fit_line(points["elementwise"]), fit_line(points["all_reduce"])
+    hw = dataclasses.replace(
+        get_profile("cpu"),
+        peak_tflops=mm.tflops,
+        matmul_efficiency=1.0,
+        matmul_knee=mm.knee,
+        hbm_tbps=ew.rate / 1e12,
+        memory_efficiency=1.0,
+        nvlink_gbps=ar.rate / 1e9,
+        ib_gbps=ar.rate / 1e9,
+        comm_efficiency=1.0,
+        latency_us=ar.fixed * 1e6,
+        gpus_per_node=len(devices),
     )
-    out = {
+    us, row = dispatch_us(devices, hw)
+    hw = dataclasses.replace(hw, dispatch_us=us)
+    record = {
+        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+        "host_cores": os.cpu_count(),
+        "date": _now(),
+        "jax": jax.__version__,
+        "devices": len(devices),
         "points": points,
-        "tflops": fit.tflops,
-        "knee": fit.knee,
-        "max_rel_error": fit.max_rel_error,
-        "devices": config.devices,
+        "worst_point_error": {
+            "matmul": mm.max_rel_error,
+            "elementwise": ew.max_rel_error,
+            "all_reduce": ar.max_rel_error,
+        },
+        "dispatch_row": row,
     }
-    from experiments.cli import write_json
+    return hw, record
 
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def gpu_profiles(path: str) -> tuple[Any, Any, dict]:
+    """The H200 profile fitted on a ``gpu_check`` record, the H100's derived from it, and
+    per fitted program its ``predicted / measured - 1``."""
+    import json
+
+    from hetjax.plan import get_profile
+    from hetjax.plan.calibrate import fit_efficiencies
+
+    with open(path) as f:
+        rec = json.load(f)
+    if "H200" not in rec.get("device", ""):
+        raise ValueError(f"{path} was measured on {rec.get('device')!r}; give an H200 record")
+    fused_record = path.replace(".json", "_8192.json")
+    with open(fused_record) as f:
+        fused = json.load(f)["attention"]
+    shape = fused["shape"]
+    b, h, k, l = shape["batch"], shape["heads"], shape["dim"], shape["seq"]
+    causal = 3 * 4 * b * h * k * l * l / 2  # fwd + bwd FLOPs, half the square
+    h200 = get_profile("h200")
+    eff = causal / fused["fused"]["fused_fwd_bwd_s"] / (h200.peak_tflops * 1e12)
+    h200 = dataclasses.replace(h200, fused_attention_efficiency=eff)
+    programs = {
+        "llm_stage": (rec["llm_stage"]["none"]["stage_time_s"], _llm_price(rec["llm_stage"])),
+        "vit_stage": (rec["vit_stage"]["none"]["stage_time_s"], _vit_price(rec["vit_stage"])),
+        "plain_attention_8192": (fused["fused"]["plain_fwd_bwd_s"], _attention_price(shape)),
+    }
+    h200, errors = fit_efficiencies(h200, list(programs.values()))
+    held_out = rec["vit_stage"]["full"]["stage_time_s"]
+    full = _vit_price(rec["vit_stage"], "full")(h200) / held_out - 1
+    h100 = dataclasses.replace(h200, name="h100", hbm_gib=80.0, hbm_tbps=h200.hbm_tbps * HBM_RATIO)
+    fit = {name: err for name, err in zip(programs, errors, strict=True)}
+    return h200, h100, {"fitted": fit, "held_out": {"vit_stage_full": full}}
+
+
+def _plain(hw: Any) -> Any:
+    return dataclasses.replace(hw, fused_attention_efficiency=0.0)
+
+
+def _stage_price(shape: Any, samples: int, policy: str, vocab: int = 0) -> Any:
+    from hetjax import Layout
+    from hetjax.plan import ModulePlan
+    from hetjax.plan.stage import module_stages
+
+    def price(hw: Any) -> float:
+        st = module_stages(
+            shape,
+            ModulePlan(Layout(), recompute=policy),
+            samples=samples,
+            microbatches=1,
+            live=[1],
+            hw=_plain(hw),
+            vocab=vocab,
+            fused_columns=False,
+        )[0]
+        calls = 1 if vocab else 2  # the loss stage's forward runs in its backward
+        return st.forward_s + st.backward_s + calls * hw.dispatch_us * 1e-6
+
+    return price
+
+
+def _llm_price(section: dict) -> Any:
+    from hetjax.plan.parts import llm_shape
+    from models.config import PAPER_LLMS, PRESETS, MLLMConfig
+
+    s = section["shape"]
+    llm = dataclasses.replace(PAPER_LLMS["llm-14b"], depth=s["layers"])
+    assert llm.width == s["width"], "the record's LLM is llm-14b"
+    seq = s["tokens_per_sample"]
+    cfg = MLLMConfig("gpu-check-llm", llm=llm, vision=PRESETS["tiny"].vision, seq_len=seq)
+    return _stage_price(llm_shape(cfg, seq, True), s["batch"], "none", cfg.llm.vocab)
+
+
+def _vit_price(section: dict, policy: str = "none") -> Any:
+    from hetjax.plan.parts import encoder_shape
+    from models.config import PRESETS, MLLMConfig
+
+    vit = PRESETS["llava-1.5-7b"].vision
+    assert vit.width == section["shape"]["width"], "the record's ViT is CLIP-L/336"
+    cfg = MLLMConfig("gpu-check-vit", llm=PRESETS["tiny"].llm, vision=vit, seq_len=640)
+    return _stage_price(encoder_shape(cfg), section["shape"]["batch"], policy)
+
+
+def _attention_price(shape: dict) -> Any:
+    """Plain attention fwd + bwd at the record's shape: the full square (XLA's attention
+    computes the masked half), three passes' matmuls and score bytes (BF16)."""
+    from hetjax.plan.stage import attention_kernel
+
+    b, h, k, l = shape["batch"], shape["heads"], shape["dim"], shape["seq"]
+
+    def price(hw: Any) -> float:
+        rate, passes = attention_kernel(_plain(hw), 2, k, b * l)
+        return 3 * (4 * b * h * k * l * l / rate + hw.memory_seconds(passes * b * h * l * l * 2))
+
+    return price
+
+
+def describe(hw: Any) -> str:
+    """One line of a profile's fitted constants."""
+    return (
+        f"matmul {hw.peak_tflops * hw.matmul_efficiency * 1e3:.3g} GFLOP/s knee "
+        f"{hw.matmul_knee:.0f}, memory {hw.hbm_tbps * hw.memory_efficiency * 1e3:.3g} GB/s, "
+        f"link {hw.link_gbps(False):.3g} GB/s + {hw.latency_us:.0f} us, dispatch "
+        f"{hw.dispatch_us:.0f} us per call"
+    )
+
+
+def main(config: CalibrateConfig) -> dict:
+    from experiments.cli import setup_devices, write_json
+    from hetjax.plan.hardware import PROFILE_DIR, save_profile
+
+    if config.gpu_record:
+        h200, h100, errors = gpu_profiles(config.gpu_record)
+        on = {
+            "machine": "NVIDIA H200 (the record's device; h100: derived, see h100_hbm_ratio)",
+            "devices": 1,
+            "date": _now(),
+            "jax": "the GPU machine's (the record does not say; DESIGN.md: 0.11.2)",
+            "record": config.gpu_record,
+            "errors": errors,
+            "h100_hbm_ratio": HBM_RATIO,
+        }
+        for hw in (h200, h100):
+            print(f"{hw.name}: {describe(hw)}, fused attention {hw.fused_attention_efficiency:.3f}")
+        print(f"fitted programs, predicted / measured - 1: {errors}")
+        profiles = {"h200": (h200, on), "h100": (h100, on)}
+    else:
+        hw, on = cpu_profile(setup_devices(config.devices))
+        print(f"cpu: {describe(hw)}")
+        print(f"worst point off its fit: {on['worst_point_error']}")
+        profiles = {"cpu": (hw, on)}
+    if config.write:
+        for name, (hw, fitted_on) in profiles.items():
+            save_profile(hw, os.path.join(PROFILE_DIR, f"{name}.json"), fitted_on)
+    out = {
+        name: {"profile": dataclasses.asdict(hw), "fitted_on": on}
+        for name, (hw, on) in profiles.items()
+    }
     write_json(config.json, out)
     return out
 
@@ -84,7 +299,8 @@ def parse_args(argv: list[str]) -> CalibrateConfig:
 
     p = OneLineParser(prog="calibrate", description=__doc__.splitlines()[0])
     p.add_argument("--devices", type=positive_int, default=8, help="simulated CPU devices")
-    p.add_argument("--tokens", type=positive_int, default=2048, help="rows per device")
+    p.add_argument("--gpu-record", default=None, help="fit h200/h100 from a gpu_check record")
+    p.add_argument("--write", action="store_true", help="write hetjax/plan/profiles/<name>.json")
     p.add_argument("--json", default=None, help="write the points and the fit")
     return CalibrateConfig(**vars(p.parse_args(argv)))
 

@@ -26,6 +26,7 @@ from typing import Any
 from experiments import flags, job
 from experiments.cli import ConfigError, run_cli
 from experiments.flags import errors_as_flags
+from experiments.plan import StepTimeCheck
 from hetjax.config import TrainConfig
 
 PROG = "llava_train"
@@ -60,9 +61,14 @@ def main(config: TrainConfig) -> int:
         Task, Batches = (QwenTask, QwenBatches) if is_qwen(config) else (LlavaTask, LlavaBatches)
         task = Task(config)
         ests, layouts = _auto_layouts(config, task, devices) if _auto(config) else ([], None)
-        trainer = train.Trainer(config, task, Batches(task), devices=devices, layouts=layouts)
+        check = StepTimeCheck(0.0)  # --layout auto: the chosen plan's time, set below
+        hooks = [check] if ests else []
+        trainer = train.Trainer(
+            config, task, Batches(task), devices=devices, layouts=layouts, hooks=hooks
+        )
     if ests and trainer.lead:
         est = ests[layouts.index(trainer.choice)]
+        check.predicted_s = est.step_time_s
         print(
             f"--layout auto ({_profile(devices)} profile): {est.plan}; predicted "
             f"{est.tokens_per_s:.0f} tokens/s, {est.peak_memory_bytes / 2**20:.0f} MiB per device"

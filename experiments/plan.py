@@ -218,6 +218,30 @@ def auto_plans(
     return list(result.ranked)
 
 
+class StepTimeCheck:
+    """``--layout auto``'s observer: at the end of the run, prints the planner's step time
+    beside the measured one (the median over the steps after the first, which compiles)."""
+
+    def __init__(self, predicted_s: float, print_fn=print):
+        self.predicted_s, self.print = predicted_s, print_fn
+
+    def on_step(self, step: int, metrics) -> None:
+        pass
+
+    def on_end(self, history) -> None:
+        import statistics
+
+        times = [m["step_time_s"] for m in history[1:]]
+        if not times:
+            return
+        measured = statistics.median(times)
+        self.print(
+            f"--layout auto: predicted step {self.predicted_s:.4g} s, measured "
+            f"{measured:.4g} s (median of {len(times)} steps after the first): "
+            f"{self.predicted_s / measured - 1:+.0%}"
+        )
+
+
 def layout_choices(ests: list) -> list:
     """The planner's estimates as :class:`hetjax.train.LayoutChoice` s, in their order:
     layouts as objects, islands (non-colocated) and microbatches (what

@@ -1,10 +1,11 @@
 """Cost model and layout planner (pure Python; no JAX program is built or compiled).
 
-- :mod:`~hetjax.plan.hardware` - hardware profiles as data (``h100``, ``h200``, ``cpu``).
+- :mod:`~hetjax.plan.hardware` - hardware profiles as data (``h100``, ``h200``, ``cpu``),
+  read from the calibrated files in ``hetjax/plan/profiles/``.
 - :func:`estimate` - a :class:`Plan`'s step time, tokens/s, TFLOPS/GPU, memory per GPU.
 - :func:`search` - the best heterogeneous and homogeneous plans for a model, a GPU count
   and a workload, under the memory limit.
-- :mod:`~hetjax.plan.calibrate` - fit a profile's matmul curve to measured times.
+- :mod:`~hetjax.plan.calibrate` - fit a profile's constants to measured times.
 
 Example:
     >>> from models.config import paper_preset  # doctest: +SKIP

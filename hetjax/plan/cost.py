@@ -10,6 +10,15 @@ the three-phase barriers and the encoder's share of the pipeline come from the s
 the runtime walks. With ``simulate=False`` the makespan is the closed form of a 1F1B chain
 (``sum(t) + (M - 1) max(t)``, exact for the schedules above with buffered sends), which
 the planner uses to rank candidates before simulating the best.
+
+Host work is priced by calls: hetjax's executor dispatches one jitted program per
+forward and backward of a stage and microbatch (none for the loss stage's forward, which
+runs inside its backward), one transfer per stage edge crossed each way, and three
+programs per step per trained stage (zeroed accumulators, the gradient reduction, the
+update); each costs ``dispatch_us`` (:func:`calls`). On devices that share one pool of
+cores (``shared_compute``: JAX's simulated CPU devices) nothing runs beside anything
+else: the step is the host's calls plus every device's work spread over all the devices,
+and pipeline bubbles cost nothing (an idle device's cores serve the busy ones).
 """
 
 from __future__ import annotations
@@ -230,6 +239,7 @@ def vision_stages(cfg: Any, plan: Plan, work: Workload, hw: HardwareProfile) -> 
         act_bytes=work.act_bytes,
         fused_columns=work.fused_columns,
         replica_grads_per_microbatch=work.replica_grads_per_microbatch,
+        upstream_trains=False,
     )
     if chunks == m:
         return vis
@@ -254,7 +264,22 @@ def llm_stages(cfg: Any, plan: Plan, work: Workload, hw: HardwareProfile) -> lis
         act_bytes=work.act_bytes,
         fused_columns=work.fused_columns,
         replica_grads_per_microbatch=work.replica_grads_per_microbatch,
+        upstream_trains=not plan.vision.frozen,
     )
+
+
+def calls(plan: Plan, work: Workload, vis: list[StageCost], llm: list[StageCost]) -> list:
+    """Per stage (vision's, then the LLM's): host calls per microbatch in the forward and
+    in the backward, and per step, as hetjax's executor makes them (see the module doc).
+    The colocated encoder runs its fused chunks: its per-microbatch calls are scaled."""
+    chunks = encoder_chunks(plan, work.global_batch * work.images_per_sample)
+    stages, out = vis + llm, []
+    for i, st in enumerate(stages):
+        fwd = 0 if st.loss else 2  # the program, the send of its output
+        bwd = (1 + (i > 0 and stages[i - 1].backward)) * st.backward  # + the gradient sent back
+        scale = chunks / plan.microbatches if i < len(vis) else 1.0
+        out.append((fwd * scale, bwd * scale, 3 * st.trains))
+    return out
 
 
 def assemble(
@@ -270,8 +295,15 @@ def assemble(
     """The step from priced stages: schedule makespan, then the slowest device group's
     gradient reductions and optimizer update."""
     edge = _boundary(cfg, plan, work, hw)
-    stages = vis + llm
-    m = plan.microbatches
+    m, host = plan.microbatches, hw.dispatch_us * 1e-6
+    per_call = calls(plan, work, vis, llm)
+    if hw.shared_compute:
+        return _shared(cfg, plan, work, hw, vis + llm, per_call, edge)
+    stages = [
+        dataclasses.replace(s, forward_s=s.forward_s + f * host, backward_s=s.backward_s + b * host)
+        for s, (f, b, _) in zip(vis + llm, per_call, strict=True)
+    ]
+    vis, llm = stages[: len(vis)], stages[len(vis) :]
     t = [s.forward_s + s.backward_s for s in stages]
     recv = [s.recv_s for s in stages]
     if plan.mode == "colocated":
@@ -283,8 +315,14 @@ def assemble(
         makespan = _chain(t, recv, m)
     if simulate:
         makespan = _simulate(plan, stages, recv, edge)
-    groups = _device_groups(plan, vis, llm)
-    step = makespan + max(sum(s.reduce_s + s.optimizer_s for s in g) for g in groups)
+    update = lambda g: sum(s.reduce_s + s.optimizer_s + 3 * s.trains * host for s in g)  # noqa: E731
+    step = makespan + max(update(g) for g in _device_groups(plan, vis, llm))
+    return _estimate(cfg, plan, work, hw, stages, step, simulated=simulate)
+
+
+def _estimate(cfg, plan, work, hw, stages, step: float, *, simulated: bool) -> Estimate:
+    nv = plan.vision.layout.pp
+    groups = _device_groups(plan, stages[:nv], stages[nv:])
     return Estimate(
         plan=plan,
         step_time_s=step,
@@ -293,8 +331,21 @@ def assemble(
         peak_memory_bytes=max(sum(s.memory.total for s in g) for g in groups),
         memory_limit_bytes=hw.memory_bytes,
         stages=tuple(stages),
-        simulated=simulate,
+        simulated=simulated,
     )
+
+
+def _shared(cfg, plan, work, hw, stages, per_call, edge: float) -> Estimate:
+    """A step on devices sharing one pool of cores (see the module doc): the host's calls,
+    then every device's work over all devices (the boundary's copies are the host's)."""
+    m = plan.microbatches
+    host = hw.dispatch_us * 1e-6 * sum(m * (f + b) + n for f, b, n in per_call)
+    work_s = sum(
+        s.devices * (m * (s.forward_s + s.backward_s + 2 * s.recv_s) + s.reduce_s + s.optimizer_s)
+        for s in stages
+    )
+    step = host + work_s / plan.num_gpus + 2 * m * edge
+    return _estimate(cfg, plan, work, hw, stages, step, simulated=False)
 
 
 def model_flops(cfg: Any, work: Workload) -> float:

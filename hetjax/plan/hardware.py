@@ -9,11 +9,26 @@ Efficiency is one saturating curve for every matmul: ``peak x matmul_efficiency 
 n / (n + matmul_knee)``, where ``n`` is the smallest per-GPU dimension of the layer's
 matmuls (the width a TP shard leaves). It is what makes a small encoder pay for the
 LLM's TP: its shards get thin, and thin matmuls run far below peak.
+
+The time model (:mod:`hetjax.plan.stage`) adds what is not a weight matmul, each priced by
+one constant here: a fixed host cost per program call and per transfer
+(``dispatch_us``: hetjax's executor dispatches one jitted program per stage op),
+element-wise work by the bytes it moves (``hbm_tbps x memory_efficiency``), attention by
+its kernel (a fused kernel at ``fused_attention_efficiency`` of peak; plain attention as
+thin matmuls over ``head_dim`` plus its score matrix's bytes). ``shared_compute`` marks
+devices that share one pool of cores (JAX's simulated CPU devices): a step is then the
+sum of every device's work, not a pipeline makespan.
+
+Profiles are data: :func:`load_profile` reads one written by ``python -m
+experiments.calibrate`` (``hetjax/plan/profiles/*.json``, which say what they were
+fitted on); :func:`get_profile` prefers such a file to the built-in constants below.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +47,10 @@ class HardwareProfile:
     comm_efficiency: float = 0.8  # fraction of link bandwidth a large collective reaches
     latency_us: float = 10.0  # fixed cost per collective call, microseconds
     reserved_gib: float = 6.0  # memory the runtime, NCCL buffers and fragmentation take
+    dispatch_us: float = 20.0  # host cost of one program call or transfer, microseconds
+    memory_efficiency: float = 0.8  # fraction of hbm_tbps element-wise kernels reach
+    fused_attention_efficiency: float = 0.0  # fused attention kernel, fraction of peak (0: none)
+    shared_compute: bool = False  # devices share the host's cores (simulated CPU devices)
 
     @property
     def memory_bytes(self) -> float:
@@ -41,6 +60,14 @@ class HardwareProfile:
     def matmul_tflops(self, width: float) -> float:
         """Achieved TFLOP/s of matmuls whose smallest per-device dimension is ``width``."""
         return self.peak_tflops * self.matmul_efficiency * width / (width + self.matmul_knee)
+
+    def memory_seconds(self, nbytes: float) -> float:
+        """Seconds of element-wise work that reads and writes ``nbytes`` on one device."""
+        return nbytes / (self.hbm_tbps * self.memory_efficiency * 1e12)
+
+    def fused_attention(self, act_bytes: int) -> bool:
+        """Whether attention runs as a fused kernel (hetjax takes cuDNN's for BF16 on GPU)."""
+        return self.fused_attention_efficiency > 0 and act_bytes == 2
 
     def link_gbps(self, crosses_nodes: bool) -> float:
         """Achieved GB/s of a collective inside a node or across nodes."""
@@ -79,9 +106,42 @@ CPU = HardwareProfile(
     comm_efficiency=1.0,
     latency_us=50.0,
     reserved_gib=0.0,
+    memory_efficiency=1.0,
+    shared_compute=True,
 )
 
-PROFILES: dict[str, HardwareProfile] = {p.name: p for p in (H100, H200, CPU)}
+PROFILE_DIR = os.path.join(os.path.dirname(__file__), "profiles")
+
+
+def load_profile(path: str) -> HardwareProfile:
+    """The profile in a JSON file (``{"profile": {field: value}, "fitted_on": {...}}``, as
+    ``python -m experiments.calibrate`` writes it).
+
+    Raises:
+        ValueError: a field the profile does not have (the file is from another version).
+    """
+    with open(path) as f:
+        fields = json.load(f)["profile"]
+    known = {f.name for f in dataclasses.fields(HardwareProfile)}
+    if unknown := sorted(set(fields) - known):
+        raise ValueError(f"{path}: unknown profile fields {unknown}; recalibrate the profile")
+    return HardwareProfile(**fields)
+
+
+def save_profile(hw: HardwareProfile, path: str, fitted_on: dict) -> None:
+    """Writes ``hw`` and what it was fitted on (machine, date, versions, points) to ``path``."""
+    with open(path, "w") as f:
+        json.dump({"profile": dataclasses.asdict(hw), "fitted_on": fitted_on}, f, indent=1)
+        f.write("\n")
+
+
+def _fitted(hw: HardwareProfile) -> HardwareProfile:
+    """``hw`` as its calibrated file says (``profiles/<name>.json``), else as built in."""
+    path = os.path.join(PROFILE_DIR, f"{hw.name}.json")
+    return load_profile(path) if os.path.exists(path) else hw
+
+
+PROFILES: dict[str, HardwareProfile] = {p.name: _fitted(p) for p in (H100, H200, CPU)}
 
 
 def get_profile(name: str | HardwareProfile) -> HardwareProfile:

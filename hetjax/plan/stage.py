@@ -18,6 +18,18 @@ overlap does.
 ``cp_redundant`` prices the homogeneous baseline's encoder under the LLM's CP: stock
 Megatron runs the encoder on every CP rank of a data lane (an image is not a sequence to
 split), so CP ranks repeat its work.
+
+What is not a weight matmul (the time model; each rate is a
+:class:`~hetjax.plan.hardware.HardwareProfile` constant): attention's ``QK^T`` and ``PV``
+run as a fused kernel at its own rate where the device has one (BF16 on GPU), else as
+thin matmuls (contracting over ``head_dim``) whose score matrix is written, softmaxed
+and read again (``SCORE_PASSES`` passes over ``heads x keys`` elements per token);
+norms, residual adds and the MLP's activation move ``10 D + mats F`` elements per token
+and layer (:func:`elementwise_elements`), the loss head's softmax and its gradient
+``LOSS_PASSES`` FP32 passes over the vocabulary. Backward moves twice the forward's
+bytes. A frozen module (``ModulePlan.frozen``) computes only input gradients (one
+forward's matmuls, none at all without a trainable module upstream) and has no
+gradient, optimizer state or update.
 """
 
 from __future__ import annotations
@@ -33,6 +45,28 @@ from .hardware import HardwareProfile
 from .memory import BF16, FP32, OPTIMIZER_BYTES, StageMemory, stage_memory
 from .parts import ModuleShape
 
+SCORE_PASSES = 4  # plain attention: scores written, read and written by softmax, read by PV
+LOSS_PASSES = (2, 3)  # FP32 passes over the logits: forward (softmax), backward
+
+
+def attention_kernel(
+    hw: HardwareProfile, act_bytes: int, head_dim: float, tokens: float
+) -> tuple[float, int]:
+    """FLOP/s of attention's ``QK^T`` and ``PV`` on one device, and the passes over the
+    score matrix that go to memory: a fused kernel's rate and none, or plain attention's
+    thin matmuls (the curve at ``head_dim``) and ``SCORE_PASSES``."""
+    if hw.fused_attention(act_bytes):
+        return hw.peak_tflops * hw.fused_attention_efficiency * 1e12, 0
+    return hw.matmul_tflops(min(head_dim, tokens)) * 1e12, SCORE_PASSES
+
+
+def elementwise_elements(shape: ModuleShape, tp: int = 1, *, sp: bool = True) -> float:
+    """Elements one token's norms, residual adds and MLP activation read and write in one
+    layer on one of ``tp`` ranks: two norms (``4 D``), two residual adds (``6 D``) - split
+    over TP only with sequence parallelism - and the activation (GELU reads and writes
+    ``F``; SwiGLU reads two and writes one: ``mats x F``)."""
+    return 10 * shape.width / (tp if sp else 1) + shape.mlp_mats * shape.mlp / tp
+
 
 @dataclasses.dataclass(frozen=True)
 class ModulePlan:
@@ -42,10 +76,12 @@ class ModulePlan:
     recompute: Recompute = DEFAULT_RECOMPUTE  # what the backward replays (hetjax.recompute)
     zero1: bool = False  # optimizer state sharded over the data-parallel (and cp) ranks
     sequence_parallel: bool = True  # with tp > 1: activations between TP regions on sequence
+    frozen: bool = False  # no parameter gradients, optimizer state or update
 
     def __str__(self) -> str:
         degrees = [f"{k}={getattr(self.layout, k)}" for k in ("dp", "tp", "cp", "pp", "ep")]
         on = [("zero1", self.zero1), (f"recompute={self.recompute}", self.recompute != "none")]
+        on.append(("frozen", self.frozen))
         return ",".join([d for d in degrees if not d.endswith("=1")] + [k for k, v in on if v])
 
 
@@ -61,6 +97,9 @@ class StageCost:
     recv_s: float  # receiving one microbatch's activation from the previous stage
     reduce_s: float  # the step's gradient reduction left exposed
     optimizer_s: float  # the optimizer update (HBM bound)
+    loss: bool  # the sink's last stage: its forward runs inside its backward program
+    backward: bool  # it runs a backward (not a frozen module with nothing trainable upstream)
+    trains: bool  # it has gradients to reduce and an update (not frozen)
     memory: StageMemory
     flops: float  # model forward FLOPs of one microbatch, all devices of the stage
     comm: dict[str, float]  # per device per step: buffer bytes by collective kind
@@ -82,6 +121,7 @@ def module_stages(
     vocab: int = 0,
     fused_columns: bool = True,
     replica_grads_per_microbatch: bool = False,
+    upstream_trains: bool = False,
 ) -> list[StageCost]:
     """Costs of every pipeline stage of a module.
 
@@ -106,6 +146,8 @@ def module_stages(
             (``vocab`` > 0) runs per cp rank (``StageProgram.cp_local``): its gradients
             are reduced over dp x cp once per step. False: one reduction over dp x cp per
             step everywhere (Megatron).
+        upstream_trains: a module upstream trains, so a frozen module still computes input
+            gradients.
 
     Returns:
         One :class:`StageCost` per stage.
@@ -122,10 +164,21 @@ def module_stages(
     dp_x, pp_x = crosses_nodes(tp * cp, dp, hw), crosses_nodes(tp * cp * dp, 2, hw)
     moe = shape.experts > 1 and ep > 1
     out = []
+    attn_rate, passes = attention_kernel(hw, act_bytes, shape.q_width / shape.heads, tokens)
+    scores = passes * shape.heads / tp * shape.tokens  # score elements moved per token
+    elementwise = tokens * layers * (elementwise_elements(shape, tp, sp=plan.sequence_parallel))
+    trains = not plan.frozen
+    runs_backward = trains or upstream_trains
     for s in range(pp):
         first, last = s == 0, s == pp - 1
         per_lane = layers * shape.layer_flops + first * shape.first_flops + last * shape.last_flops
-        compute = lane * per_lane / (tp * split) / rate
+        attention = lane * layers * shape.attention_flops / (tp * split) / attn_rate
+        weights = lane * (per_lane - layers * shape.attention_flops) / (tp * split) / rate
+        compute = weights + attention
+        ew_bytes = (elementwise + tokens * layers * scores) * act_bytes
+        loss_bytes = tokens * vocab / tp * FP32 if vocab and last else 0.0
+        memory_f = hw.memory_seconds(ew_bytes + LOSS_PASSES[0] * loss_bytes)
+        memory_b = hw.memory_seconds(2 * ew_bytes + LOSS_PASSES[1] * loss_bytes)
         # TP collectives per pass: two per block forward (after attention and MLP), the
         # vocabulary-parallel embedding's on the first stage; backward one per input
         # gradient of the column-parallel matmuls, the LM head's on the last stage.
@@ -139,20 +192,23 @@ def module_stages(
         ring = collective_time("p2p", kv, cp, crosses=cp_x, hw=hw, calls=(cp - 1) * layers)
         if cp_redundant:
             ring = 0.0
-        attention = lane * layers * shape.attention_flops / (tp * split) / rate
         a2a_buf = tokens * shape.top_k * shape.width * act_bytes  # [E, C, D] buffers
         ep_x = crosses_nodes(tp * cp, ep, hw)
         a2a_calls = 2 * layers  # dispatch and combine per block
         a2a = moe * collective_time("all-to-all", a2a_buf, ep, crosses=ep_x, hw=hw, calls=a2a_calls)
-        forward = compute + tp_f + max(0.0, ring - attention) + a2a
-        backward = 2 * compute + tp_b + max(0.0, 2 * ring - 2 * attention) + a2a
+        forward = compute + memory_f + tp_f + max(0.0, ring - attention) + a2a
+        # A frozen module's backward is its input gradients: one forward's matmuls.
+        backward = (2 if trains else 1) * compute + memory_b + tp_b + a2a
+        backward += max(0.0, 2 * ring - 2 * attention)
         if plan.recompute == "full":
             backward += forward
         elif plan.recompute == "selective":
             # Two FLOPs per expert weight per token slot (top_k slots of one expert each).
             per_sample = 2 * shape.tokens * shape.top_k * shape.expert_params / shape.experts
             expert_s = lane * layers * per_sample / (tp * split) / rate
-            backward += max(ring, attention) + expert_s + a2a
+            scores_s = hw.memory_seconds(tokens * layers * scores * act_bytes)
+            backward += max(ring, attention + scores_s) + expert_s + a2a
+        backward *= runs_backward
         fwd_comm: dict[str, float] = defaultdict(float)
         bwd_comm: dict[str, float] = defaultdict(float)
         for kind in kinds if tp > 1 else ():
@@ -180,7 +236,7 @@ def module_stages(
         # What hetjax's engine sums in the backward (see replica_grads_per_microbatch).
         cp_local = vocab > 0 and shape.experts <= 1
         sync = 1 if cp_redundant or cp_local else cp * (ep if moe else 1)
-        if replica_grads_per_microbatch and sync > 1:
+        if replica_grads_per_microbatch and sync > 1 and trains:
             dense = (params - experts / ep) / tp * FP32
             backward += collective_time("all-reduce", dense, sync, crosses=cp_x, hw=hw)
             bwd_comm["all-reduce"] += dense
@@ -194,6 +250,10 @@ def module_stages(
         step_comm = {"all-reduce": grads} if group > 1 else {}  # one FP32 all-reduce
         if plan.zero1 and group > 1:
             step_comm["all-gather"] = gather
+        if not trains:
+            reduce, step_comm = 0.0, {}
+        if not runs_backward:
+            bwd_comm.clear()
         # The forward collectives the backward runs again (see the module doc).
         replayed = {"none": (), "selective": ("collective-permute", "all-to-all"), "full": fwd_comm}
         replayed = replayed[plan.recompute]
@@ -215,6 +275,8 @@ def module_stages(
             logits_vocab=vocab if last else 0,
         )
         touched = params / tp * (OPTIMIZER_BYTES / shard + FP32 + BF16) * 2  # read + write
+        if not trains:
+            touched, mem = 0.0, dataclasses.replace(mem, grads=0.0, optimizer=0.0)
         out.append(
             StageCost(
                 module=shape.name,
@@ -224,7 +286,10 @@ def module_stages(
                 backward_s=backward,
                 recv_s=recv,
                 reduce_s=max(0.0, reduce - backward),
-                optimizer_s=touched / (hw.hbm_tbps * 1e12),
+                optimizer_s=hw.memory_seconds(touched),
+                loss=bool(vocab) and last,
+                backward=runs_backward,
+                trains=trains,
                 memory=mem,
                 flops=samples * per_lane,
                 comm=dict(comm),

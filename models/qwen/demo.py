@@ -7,7 +7,8 @@ video is 4 to 8 frames of a shape moving left or right. Records mix one image, t
 images, a video with a question about the motion, and text only.
 
 ``python -m models.qwen.demo OUT_DIR`` writes ``OUT_DIR/train.json``, ``OUT_DIR/media/``
-and ``OUT_DIR/tokenizer/``.
+and ``OUT_DIR/tokenizer/``; with ``--video-files`` the videos are MPEG-4 files at 2 fps
+(PyAV, ``pip install 'hetjax[video]'``) instead of frame folders, the same frames.
 """
 
 from __future__ import annotations
@@ -25,24 +26,40 @@ from .template import DEFAULT_SYSTEM, SPECIAL
 SPECIALS = ["<|endoftext|>", *SPECIAL.values()]
 
 
-def video(folder: str, color: str, rng: np.random.Generator) -> str:
-    """A frames folder: a square of ``color`` moving left or right; returns the way."""
+def video(path: str, color: str, rng: np.random.Generator, *, file: bool = False) -> str:
+    """A square of ``color`` moving left or right, as a frames folder ``path`` or (``file``)
+    an MPEG-4 file ``path`` at 2 fps (its width rounded up to even, as the codec needs);
+    returns the way."""
     from PIL import Image, ImageDraw
 
-    os.makedirs(folder, exist_ok=True)
     frames, way = int(rng.integers(4, 9)), ("left", "right")[rng.integers(2)]
     w, h = 40 + int(rng.integers(0, 30)), 36
+    images = []
     for f in range(frames):
-        im = Image.new("RGB", (w, h), (128, 128, 128))
+        im = Image.new("RGB", (w + w % 2 if file else w, h), (128, 128, 128))
         x = 4 + f * (w - 16) // frames
         x = x if way == "right" else w - 12 - x
         ImageDraw.Draw(im).rectangle((x, 12, x + 8, 20), fill=COLORS[color])
-        im.save(os.path.join(folder, f"{f:04d}.png"))
+        images.append(im)
+    if file:
+        import av
+
+        with av.open(path, "w") as container:
+            stream = container.add_stream("mpeg4", rate=2)
+            stream.width, stream.height, stream.pix_fmt = images[0].size + ("yuv420p",)
+            for im in images:
+                container.mux(stream.encode(av.VideoFrame.from_image(im)))
+            container.mux(stream.encode())
+        return way
+    os.makedirs(path, exist_ok=True)
+    for f, im in enumerate(images):
+        im.save(os.path.join(path, f"{f:04d}.png"))
     return way
 
 
-def records(out: str, n: int, seed: int) -> list[dict]:
-    """``n`` records whose media are written under ``out/media``."""
+def records(out: str, n: int, seed: int, *, video_files: bool = False) -> list[dict]:
+    """``n`` records whose media are written under ``out/media`` (videos as files with
+    ``video_files``)."""
     rng = np.random.default_rng(seed)
     media = os.path.join(out, "media")
     os.makedirs(media, exist_ok=True)
@@ -68,9 +85,10 @@ def records(out: str, n: int, seed: int) -> list[dict]:
             recs.append({"id": rid, "image": [a, b], "conversations": conv})
         elif kind == 2:
             color = list(COLORS)[rng.integers(4)]
-            way = video(os.path.join(media, rid), color, rng)
+            name = f"{rid}.mp4" if video_files else rid
+            way = video(os.path.join(media, name), color, rng, file=video_files)
             conv = [turn("human", "<video>\nWhere does it move?"), turn("gpt", way)]
-            recs.append({"id": rid, "video": rid, "conversations": conv})
+            recs.append({"id": rid, "video": name, "conversations": conv})
         else:
             a, b = int(rng.integers(5)), int(rng.integers(5))
             conv = [turn("human", f"{NUMBERS[a]} plus {NUMBERS[b]}?"), turn("gpt", NUMBERS[a + b])]
@@ -101,10 +119,10 @@ def train_tokenizer(texts: list[str], out_dir: str, vocab_size: int = 400) -> st
     return out_dir
 
 
-def make(out: str, *, train: int = 64, seed: int = 0) -> dict[str, str]:
+def make(out: str, *, train: int = 64, seed: int = 0, video_files: bool = False) -> dict[str, str]:
     """Writes the data set; returns the paths (``train``, ``media``, ``tokenizer``)."""
     os.makedirs(out, exist_ok=True)
-    recs = records(out, train, seed)
+    recs = records(out, train, seed, video_files=video_files)
     paths = {"train": os.path.join(out, "train.json"), "media": os.path.join(out, "media")}
     with open(paths["train"], "w") as f:
         json.dump(recs, f, indent=1)
@@ -115,4 +133,4 @@ def make(out: str, *, train: int = 64, seed: int = 0) -> dict[str, str]:
 
 
 if __name__ == "__main__":
-    print(json.dumps(make(sys.argv[1]), indent=1))
+    print(json.dumps(make(sys.argv[1], video_files="--video-files" in sys.argv[2:]), indent=1))

@@ -188,6 +188,22 @@ def test_video_file_record(made, tmp_path, codec, name):
     assert (row["frame_ids"][len(patches) :] == -1).all()
 
 
+def test_demo_video_files_are_its_folders(made, tmp_path):
+    """``demo --video-files`` writes the same records with MPEG-4 files for the folders;
+    each file samples the frames its folder does (same indices, same grid)."""
+    files = demo.make(str(tmp_path / "files"), train=24, video_files=True)
+    recs = json.loads(pathlib.Path(files["train"]).read_text())
+    folders = json.loads(pathlib.Path(made["train"]).read_text())
+    videos = [(r, f) for r, f in zip(recs, folders, strict=True) if "video" in r]
+    assert videos and all(r["video"] == f"{f['video']}.mp4" for r, f in videos)
+    for r, f in videos:
+        clip = video.open_clip(str(pathlib.Path(files["media"]) / r["video"]), None, 2.0, 768)
+        want = video.open_clip(str(pathlib.Path(made["media"]) / f["video"]), None, 2.0, 768)
+        assert clip.sampled.indices.tolist() == want.sampled.indices.tolist()
+        assert clip.sampled.second_per_grid == want.sampled.second_per_grid
+        assert len(clip.frames()) == len(clip.sampled.indices)
+
+
 def test_bad_video_files_are_one_line(made, tmp_path, monkeypatch):
     """A file FFmpeg does not read, or one frame: one line naming the record (skipped and
     counted with skip_bad); no PyAV: one line naming the extra to install."""

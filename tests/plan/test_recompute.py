@@ -12,7 +12,7 @@ from hetjax.plan import ModulePlan, get_profile
 from hetjax.plan.memory import BF16, activation_bytes_per_token, selective_bytes_per_token
 from hetjax.plan.parts import llm_shape
 from hetjax.plan.search import SAVERS
-from hetjax.plan.stage import module_stages
+from hetjax.plan.stage import attention_kernel, module_stages
 from hetjax.recompute import RECOMPUTE_POLICIES
 from models.config import get_preset, paper_preset
 
@@ -53,12 +53,15 @@ def test_policies_trade_time_for_memory_dense():
     assert none.forward_s == sel.forward_s == full.forward_s
     assert none.backward_s < sel.backward_s < full.backward_s
     assert none.memory.activations > sel.memory.activations > full.memory.activations
-    # Selective's extra backward is the attention core: its share of a block's FLOPs
-    # (a middle stage without TP holds blocks only, and its forward is all compute).
+    # Selective's extra backward is the attention core: its FLOPs at its kernel's rate and
+    # the score matrix's bytes where the kernel is plain (a middle stage without TP).
     mid = by_policy(shape, Layout(pp=4), stage=1, vocab=CFG.llm.vocab)
-    core = shape.attention_flops / shape.layer_flops
+    tokens, layers = 8 * shape.tokens, shape.depth // 4
+    rate, passes = attention_kernel(H100, BF16, shape.q_width / shape.heads, tokens)
+    scores = tokens * layers * passes * shape.heads * shape.tokens * BF16
+    core = 8 * layers * shape.attention_flops / rate + H100.memory_seconds(scores)
     extra = mid["selective"].backward_s - mid["none"].backward_s
-    assert extra == pytest.approx(core * mid["none"].forward_s)
+    assert extra == pytest.approx(core)
     assert mid["full"].backward_s - mid["none"].backward_s == pytest.approx(mid["none"].forward_s)
     # No TP collective runs again (only full replays the forward's).
     assert sel.comm == none.comm
