@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 import sys
 
 import numpy as np
@@ -221,6 +222,12 @@ def test_bad_video_files_are_one_line(made, tmp_path, monkeypatch):
         data.load(0, 0)
     with pytest.raises(BadSample, match=r"record 1 \(id one\): .*1 frame\(s\): a video needs"):
         data.load(0, 1)
+    stream = loader.QwenStream(data, (1, 1, 1))
+    try:
+        stream.batch(0)
+        assert re.fullmatch(r"undecodable video \d+", stream.summary())
+    finally:
+        stream.close()
     monkeypatch.setitem(sys.modules, "av", None)
     with pytest.raises(video.NoDecoder, match=r"^video files are decoded with PyAV, .*: pip inst"):
         data.load(0, 1)
