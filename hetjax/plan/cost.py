@@ -137,19 +137,20 @@ def check_plan(cfg: Any, plan: Plan, work: Workload) -> None:
             raise ValueError(f"{name}: pp={mp.layout.pp} exceeds its {depth} layers")
         if name == ENCODER and plan.mode == "colocated":
             n = work.global_batch * work.images_per_sample  # it may fuse microbatches
-        if n % mp.layout.dp:
+        if n % mp.layout.data_ranks:  # dp x fsdp data ranks
             raise ValueError(
-                f"{name}: dp={mp.layout.dp} must divide the {n} {what} of a microbatch; "
-                "use fewer microbatches or a dp that divides it"
+                f"{name}: dp*fsdp={mp.layout.data_ranks} must divide the {n} {what} of a "
+                "microbatch; use fewer microbatches or degrees that divide it"
             )
     v, l = plan.vision.layout, plan.llm.layout
     if plan.mode == "colocated" and (v.num_devices != l.num_devices or v.pp != 1):
         raise ValueError(
             f"colocated: the encoder ({v}) must span the LLM's {l.num_devices} devices with pp=1"
         )
-    if plan.mode != "homogeneous" and v.dp % l.dp and l.dp % v.dp:
+    vd, ld = v.data_ranks, l.data_ranks  # batch slices on either side: dp x fsdp
+    if plan.mode != "homogeneous" and vd % ld and ld % vd:
         raise ValueError(
-            f"boundary: one of vision dp={v.dp} and llm dp={l.dp} must divide the other"
+            f"boundary: one of vision dp*fsdp={vd} and llm dp*fsdp={ld} must divide the other"
         )
 
 
@@ -158,19 +159,20 @@ def _boundary(cfg: Any, plan: Plan, work: Workload, hw: HardwareProfile) -> floa
     from .comm import collective_time, crosses_nodes
 
     v, l = plan.vision.layout, plan.llm.layout
+    vd, ld = v.data_ranks, l.data_ranks  # batch slices on either side: dp x fsdp
     total = work.global_batch / plan.microbatches * work.images_per_sample * image_tokens(cfg)
     nbytes = total * cfg.llm.width * work.act_bytes  # projector output of the microbatch
     if plan.mode == "colocated":  # fan-in all-gather / fan-out slice among the same ranks
-        scale = max(v.dp // l.dp, 1)
+        scale = max(vd // ld, 1)
         return collective_time(
-            "all-gather", nbytes / l.dp, scale, crosses=crosses_nodes(v.tp, scale, hw), hw=hw
+            "all-gather", nbytes / ld, scale, crosses=crosses_nodes(v.tp, scale, hw), hw=hw
         )
     if plan.mode == "homogeneous":
         return 0.0
-    leaders = min(v.dp, l.dp)  # one point-to-point pair per lane, then a broadcast in TP/CP
+    leaders = min(vd, ld)  # one point-to-point pair per lane, then a broadcast in TP/CP
     p2p = collective_time("p2p", nbytes / leaders, 2, crosses=True, hw=hw)
     fan = l.tp * l.cp
-    return p2p + collective_time("all-gather", nbytes / l.dp, fan, crosses=False, hw=hw)
+    return p2p + collective_time("all-gather", nbytes / ld, fan, crosses=False, hw=hw)
 
 
 def _schedule(plan: Plan) -> hs.Schedule:
@@ -360,7 +362,7 @@ def encoder_chunks(plan: Plan, images: int) -> int:
     """Microbatches the encoder runs in. Colocated, its forward and backward phases hold
     nothing else, so it may fuse the step's M microbatches into fewer, larger chunks: the
     most chunks (a divisor of M) that still give each of its dp ranks whole images."""
-    m, dp = plan.microbatches, plan.vision.layout.dp
+    m, dp = plan.microbatches, plan.vision.layout.data_ranks
     if plan.mode != "colocated":
         return m
     return max(d for d in range(1, m + 1) if m % d == 0 and (images // d) % dp == 0)

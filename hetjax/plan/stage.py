@@ -10,7 +10,12 @@ plus what the activation policy (:mod:`hetjax.recompute`) replays: ``full`` the 
 forward with its collectives; ``selective`` the attention core (QK^T and PV, with the CP
 ring that feeds it) and an MoE layer's experts (with their all-to-alls), since those
 matmuls batch over heads or experts and the engine saves only weight matmuls' outputs;
-``none`` nothing. Its TP collectives are one per column-parallel input gradient. The DP
+``none`` nothing. Its TP collectives are one per column-parallel input gradient. With
+``fsdp`` the stage holds ``1 / fsdp`` of its weights, gradients and optimizer state; per
+microbatch its forward all-gathers every layer's weights, its backward gathers them again
+and reduce-scatters their gradients (float32, as the engine stores them:
+:mod:`hetjax.runtime.fsdp`), overlapped with the layers' compute (only the excess is
+exposed); the once-per-step reduction then spans the remaining dp. The DP
 gradient reduction (ZeRO-1: reduce-scatter of gradients, all-gather of parameters) runs
 once per step and overlaps only the last microbatch's backward, as Megatron's bucketed
 overlap does.
@@ -72,14 +77,15 @@ def elementwise_elements(shape: ModuleShape, tp: int = 1, *, sp: bool = True) ->
 class ModulePlan:
     """How one module trains: its degrees and its memory savers."""
 
-    layout: Layout  # dp, tp, cp, pp, ep
+    layout: Layout  # dp, fsdp, tp, cp, pp, ep
     recompute: Recompute = DEFAULT_RECOMPUTE  # what the backward replays (hetjax.recompute)
     zero1: bool = False  # optimizer state sharded over the data-parallel (and cp) ranks
     sequence_parallel: bool = True  # with tp > 1: activations between TP regions on sequence
     frozen: bool = False  # no parameter gradients, optimizer state or update
 
     def __str__(self) -> str:
-        degrees = [f"{k}={getattr(self.layout, k)}" for k in ("dp", "tp", "cp", "pp", "ep")]
+        names = ("dp", "fsdp", "tp", "cp", "pp", "ep")
+        degrees = [f"{k}={getattr(self.layout, k)}" for k in names]
         on = [("zero1", self.zero1), (f"recompute={self.recompute}", self.recompute != "none")]
         on.append(("frozen", self.frozen))
         return ",".join([d for d in degrees if not d.endswith("=1")] + [k for k, v in on if v])
@@ -91,7 +97,7 @@ class StageCost:
 
     module: str
     index: int  # stage index in the module
-    devices: int  # devices of the stage (dp x tp x cp)
+    devices: int  # devices of the stage (dp x fsdp x tp x cp)
     forward_s: float  # per microbatch
     backward_s: float  # per microbatch
     recv_s: float  # receiving one microbatch's activation from the previous stage
@@ -153,15 +159,16 @@ def module_stages(
         One :class:`StageCost` per stage.
     """
     lay = plan.layout
-    tp, cp, pp, dp, ep = lay.tp, lay.cp, lay.pp, lay.dp, lay.ep
+    tp, cp, pp, dp, ep, fsdp = lay.tp, lay.cp, lay.pp, lay.dp, lay.ep, lay.fsdp
     split = 1 if cp_redundant else cp
-    lane = samples / dp  # samples per data lane per microbatch
+    lane = samples / lay.data_ranks  # samples per data lane per microbatch
     tokens = lane * shape.tokens / split  # per device, inside the blocks
     rate = hw.matmul_tflops(min(min(shape.width, shape.mlp) / tp, tokens)) * 1e12
     layers = -(-shape.depth // pp)  # uneven splits priced as their largest stage
     buf = tokens * shape.width * act_bytes  # one block's residual stream, per device
     tp_x, cp_x = crosses_nodes(1, tp, hw), crosses_nodes(tp, cp, hw)
-    dp_x, pp_x = crosses_nodes(tp * cp, dp, hw), crosses_nodes(tp * cp * dp, 2, hw)
+    fsdp_x, dp_x = crosses_nodes(tp * cp * ep, fsdp, hw), crosses_nodes(tp * cp * fsdp, dp, hw)
+    pp_x = crosses_nodes(tp * cp * dp * fsdp, 2, hw)
     moe = shape.experts > 1 and ep > 1
     out = []
     attn_rate, passes = attention_kernel(hw, act_bytes, shape.q_width / shape.heads, tokens)
@@ -232,7 +239,18 @@ def module_stages(
         experts = layers * shape.expert_params
         params -= experts * (1 - 1 / ep)  # held: the dense part and 1 / ep of the experts
         group = dp * cp
-        grads = params / tp * FP32
+        grads = params / tp / fsdp * FP32
+        if fsdp > 1:  # gathers and reduce-scatters per microbatch, float32 as stored
+            held = params / tp * FP32
+            each = dict(crosses=fsdp_x, hw=hw, calls=layers)  # one per layer
+            gathers = collective_time("all-gather", held / layers, fsdp, **each)
+            scatter = collective_time("reduce-scatter", held / layers, fsdp, **each)
+            forward += max(0.0, gathers - compute)
+            fwd_comm["all-gather"] += held
+            if runs_backward:
+                backward += max(0.0, gathers + trains * scatter - 2 * compute)
+                bwd_comm["all-gather"] += held
+                bwd_comm["reduce-scatter"] += held * trains
         # What hetjax's engine sums in the backward (see replica_grads_per_microbatch).
         cp_local = vocab > 0 and shape.experts <= 1
         sync = 1 if cp_redundant or cp_local else cp * (ep if moe else 1)
@@ -243,7 +261,7 @@ def module_stages(
             group = dp // ep if moe else dp
         if plan.zero1:
             reduce = collective_time("reduce-scatter", grads, group, crosses=dp_x, hw=hw)
-            gather = params / tp * act_bytes  # the compute copy
+            gather = params / tp / fsdp * act_bytes  # the compute copy
             reduce += collective_time("all-gather", gather, group, crosses=dp_x, hw=hw)
         else:
             reduce = collective_time("all-reduce", grads, group, crosses=dp_x, hw=hw)
@@ -264,7 +282,7 @@ def module_stages(
         shard = group if plan.zero1 else 1
         mem = stage_memory(
             shape,
-            params=params,
+            params=params / fsdp,
             layers=layers,
             tokens_per_microbatch=tokens,
             live_microbatches=live[s],
@@ -274,14 +292,14 @@ def module_stages(
             sp=plan.sequence_parallel,
             logits_vocab=vocab if last else 0,
         )
-        touched = params / tp * (OPTIMIZER_BYTES / shard + FP32 + BF16) * 2  # read + write
+        touched = params / tp / fsdp * (OPTIMIZER_BYTES / shard + FP32 + BF16) * 2  # r + w
         if not trains:
             touched, mem = 0.0, dataclasses.replace(mem, grads=0.0, optimizer=0.0)
         out.append(
             StageCost(
                 module=shape.name,
                 index=s,
-                devices=dp * tp * cp,
+                devices=lay.devices_per_stage,
                 forward_s=forward,
                 backward_s=backward,
                 recv_s=recv,

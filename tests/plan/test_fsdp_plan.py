@@ -1,0 +1,47 @@
+"""The cost model prices fsdp: state / fsdp per device, per-microbatch gathers and
+reduce-scatters of the weights, the batch split over dp x fsdp."""
+
+import pytest
+
+from hetjax.meshes.layout import Layout
+from hetjax.plan import ModulePlan, Plan, Workload, estimate
+from models.config import paper_preset
+
+CFG = paper_preset("vit-3b", "llm-70b", 8192)
+WORK = Workload(64, 8192, images_per_sample=4)
+M = 8
+
+
+def llm_stages(llm: Layout):
+    plan = Plan("colocated", ModulePlan(Layout(dp=64)), ModulePlan(llm), M)
+    return [
+        s for s in estimate(CFG, plan, WORK, "h100", simulate=False).stages if s.module == "llm"
+    ]
+
+
+def test_fsdp_splits_the_state_and_gathers_the_weights_per_microbatch():
+    dp = llm_stages(Layout(dp=8, tp=8))[0]  # the same devices and data ranks, fsdp folded into dp
+    fsdp = llm_stages(Layout(dp=2, fsdp=4, tp=8))[0]
+    assert fsdp.devices == dp.devices == 64
+    for part in ("weights", "grads", "optimizer"):
+        assert getattr(fsdp.memory, part) == pytest.approx(getattr(dp.memory, part) / 4)
+    assert fsdp.memory.activations == pytest.approx(dp.memory.activations)  # same batch split
+    held = dp.memory.grads  # the stage's float32 weights per device without fsdp
+    # Beyond sequence parallelism's gathers and reduce-scatters (the same in both):
+    added = {
+        (pass_, kind): getattr(fsdp, f"{pass_}_comm")[kind] - getattr(dp, f"{pass_}_comm")[kind]
+        for pass_, kind in (
+            ("forward", "all-gather"),
+            ("backward", "all-gather"),
+            ("backward", "reduce-scatter"),
+        )
+    }
+    assert added == pytest.approx(dict.fromkeys(added, held))
+    # The once-per-step reduction is over the remaining dp, of 1 / fsdp of the gradients.
+    assert fsdp.step_comm["all-reduce"] == pytest.approx(dp.step_comm["all-reduce"] / 4)
+    assert fsdp.flops == pytest.approx(dp.flops)
+
+
+def test_batch_must_split_over_dp_times_fsdp():
+    with pytest.raises(ValueError, match=r"llm: dp\*fsdp=64 must divide the 8 samples"):
+        llm_stages(Layout(dp=8, fsdp=8))
