@@ -117,8 +117,9 @@ FLAGS: tuple[Flag, ...] = (
         "--layout",
         "parallel.layouts",
         metavar="MODULE:LAYOUT",
-        help="a module's degrees, e.g. vision:dp=8 or llm:dp=2,tp=2,pp=2 (repeatable; a "
-        "module without one gets the LLM's); auto: the planner chooses layouts and placement",
+        help="a module's degrees (dp, fsdp, tp, cp, pp, ep), e.g. vision:dp=8 or "
+        "llm:dp=2,tp=2,pp=2 or llm:fsdp=4,tp=2 (repeatable; a module without one gets the "
+        "LLM's); auto: the planner chooses layouts and placement",
     ),
     Flag("--placement", "parallel.placement", core=("mode",), render=_placement),
     Flag(
