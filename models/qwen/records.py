@@ -2,10 +2,12 @@
 
 :class:`QwenRecordFile` is :class:`models.llava.records.RecordFile` (the byte-offset
 index, read on demand, bad records skipped and counted) with one more field: ``video``,
-a video file or frames folder, or a list of them (:mod:`models.qwen.video`), each marked by a
-``<video>`` in a user turn as ``<image>`` marks an image. ``fps`` (optional) is the rate
-the record's frames were extracted at. Images and videos may interleave; the markers'
-order is the order the tower reads them.
+a video file or frames folder, or a list of them (:mod:`models.qwen.video`), each marked
+by a ``<video>`` in a user turn as ``<image>`` marks an image. ``fps`` (optional) is the
+rate a folder's frames were extracted at. Images and videos may interleave; the
+markers' order is the order the tower reads them. Video files need PyAV: without it the
+check of the first record with one stops the run, before training
+(:class:`models.qwen.video.NoDecoder`, never skipped).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 from models.llava.records import IMAGE_TAG, REASONS, ROLES, BadSample, RecordFile, resolve_image
 
 from .template import VIDEO_TAG, markers
+from .video import decoder
 
 QWEN_REASONS = {
     **REASONS,
@@ -69,6 +72,8 @@ class QwenRecordFile(RecordFile):
             if not os.path.exists(full):
                 problem = f"video {full} does not exist (give a video file or a frames folder)"
                 raise BadSample("missing_video", where, problem)
+            if not os.path.isdir(full):  # a file: the run stops here, before training
+                decoder()
             resolved.append(full)
         videos_it = iter(resolved)
         return [(kind, next(images if kind == "image" else videos_it)) for kind in order]

@@ -76,7 +76,12 @@ class NoDecoder(ValueError):
     """PyAV is not installed: a setting of the run, never a bad record to skip."""
 
 
-def _av() -> Any:
+def decoder() -> Any:
+    """The ``av`` module (PyAV), which video files need.
+
+    Raises:
+        NoDecoder: PyAV is not installed (one line: how to install it).
+    """
     try:
         import av
     except ImportError:
@@ -119,7 +124,7 @@ class Clip:
 def _probe(path: str) -> tuple[int, float, tuple[int, int]]:
     """A video file's frame count, rate and ``(height, width)`` (from the header, or
     counted by decoding when the container stores no count)."""
-    av = _av()
+    av = decoder()
     try:
         with av.open(path) as container:
             if not container.streams.video:
@@ -144,7 +149,7 @@ def decode(path: str, indices: np.ndarray) -> list[Any]:
         OSError: the file does not decode.
         ValueError: it holds fewer frames than ``indices`` asks for.
     """
-    av = _av()
+    av = decoder()
     want, out = {int(i) for i in indices}, []
     last = int(indices[-1])
     try:

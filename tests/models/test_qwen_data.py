@@ -229,8 +229,11 @@ def test_bad_video_files_are_one_line(made, tmp_path, monkeypatch):
     finally:
         stream.close()
     monkeypatch.setitem(sys.modules, "av", None)
-    with pytest.raises(video.NoDecoder, match=r"^video files are decoded with PyAV, .*: pip inst"):
+    no_av = r"^video files are decoded with PyAV, which is not installed: pip install 'hetjax"
+    with pytest.raises(video.NoDecoder, match=no_av):
         data.load(0, 1)
+    with pytest.raises(video.NoDecoder, match=no_av):  # the check, before training
+        _data({**made, "media": str(media)}, recs, tmp_path, skip_bad_samples=True)
 
 
 def test_bad_records_are_one_line_or_skipped(made, tmp_path):
