@@ -140,7 +140,10 @@ def test_print_config_then_config_repeats_the_run(runs):
 BAD_INPUT = {
     "unknown-preset": (["--model", "nope"], [r"unknown model preset 'nope'", r"tiny-av"]),
     "rebalance-unknown": (["--rebalance", "visoin"], [r"--rebalance names 'visoin'", r"vision"]),
-    "rebalance-llm": (["--rebalance", "llm"], [r"--rebalance llm: only an encoder", r"vision"]),
+    "rebalance-llm": (
+        ["--rebalance", "llm"],
+        [r"--rebalance llm: 'llm' is no encoder", r"use one of vision"],
+    ),
     "batch-vs-microbatches": (
         ["--global-batch", "10", "--microbatches", "4", "--devices", "2"],
         [r"10 is not divisible", r"microbatches", r"multiple of \d+"],

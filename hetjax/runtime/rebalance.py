@@ -61,8 +61,8 @@ def check_rebalance(names: Sequence[str], modules: Sequence[str], allowed: Seque
             )
         if n not in allowed:
             raise LayoutError(
-                f"rebalance={n!r}: only an encoder whose outputs fill placeholder tokens (and "
-                f"has no auxiliary loss) can be rebalanced, not {n!r}; use one of "
+                f"rebalance={n!r}: {n!r} is no encoder whose outputs fill placeholder tokens "
+                f"(with no auxiliary loss), the only kind rebalanced; use one of "
                 f"{', '.join(allowed) or 'none'}"
             )
     if len(set(names)) != len(names):
@@ -214,12 +214,7 @@ class Rebalance:
     ):
         self.slots, self.ranks = spec.input_slots, ranks
         costs = unit_costs([batch[k] for k in spec.inputs], self.slots)
-        self.costs_MxU = costs.reshape(microbatches, -1)
-        if self.costs_MxU.shape[1] % ranks:
-            raise ValueError(
-                f"{spec.name}: {self.costs_MxU.shape[1]} slots per microbatch do not split "
-                f"over its {ranks} batch ranks"
-            )
+        self.costs_MxU = costs.reshape(microbatches, -1)  # rows split over ranks: plan_run
         self.orders = [balanced_order(c, ranks) for c in self.costs_MxU]
         self._plans: dict[tuple[int, str], tuple[jax.Array, jax.Array]] = {}
         self.moved_bytes = 0

@@ -120,7 +120,9 @@ def test_rebalance_of_a_module_that_is_no_encoder_is_one_line():
     graph = model.train_graph({"vision": hetjax.Layout(dp=2), "llm": hetjax.Layout(dp=2)})
     with pytest.raises(hetjax.LayoutError, match=r"no module of the graph; use one of vision"):
         hetjax.plan_run(graph, num_devices=2, rebalance=("visoin",))
-    with pytest.raises(hetjax.LayoutError, match=r"rebalance='llm': only an encoder"):
+    with pytest.raises(
+        hetjax.LayoutError, match=r"rebalance='llm': 'llm' is no encoder whose outputs fill"
+    ):
         hetjax.plan_run(graph, num_devices=2, rebalance=("llm",))
 
 
