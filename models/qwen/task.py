@@ -28,11 +28,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from hetjax import Layout, LayoutError
 from hetjax.config import TrainConfig
 from models import tokenizer
 from models.config import PRESETS, MLLMConfig, get_preset
+from models.llava import rows as rows_lib
 from models.llava.rows import attention_segments
 from models.llava.task import LlavaTask
 
@@ -234,7 +236,9 @@ class QwenBatches:
     """The run's batches (:class:`~hetjax.train.protocols.BatchSource`): synthetic (a
     function of seed and step), or record files from a loader position (:meth:`start`);
     each step's patch counts go to the metrics (``patches``: real ones, ``patch_fill``:
-    their share of the budget)."""
+    their share of the budget), and synthetic batches' ``patch_imbalance`` and
+    ``token_imbalance`` over the tower's and the LLM's data-parallel ranks, as the record
+    loader gives them (:func:`models.llava.rows.metrics`)."""
 
     def __init__(self, task: QwenTask):
         from models.llava import run as llava_run
@@ -243,18 +247,21 @@ class QwenBatches:
         cfg = task.run_config
         self.stream = llava_run.SyntheticStream(task.dataset, cfg.data.global_batch, cfg.seed)
         self.metrics: dict[int, dict[str, float]] = {}
+        self.bins: tuple[int, int, int] | None = None  # synthetic: for the imbalance metrics
 
     def start(self, trainer: Any, state: Mapping[str, Any] | None) -> None:
         """Record files: the loader from a checkpoint's position, balancing over the
-        trainer's microbatches and each module's dp ranks (synthetic: nothing to do)."""
-        if not self.task.run_config.data.sources:
-            return
-        saved = state["state"] if state and state.get("kind") == "qwen" else None
+        trainer's microbatches and each module's data-parallel ranks (synthetic: those
+        ranks for the imbalance metrics)."""
         if trainer.plan is None:  # the reference trainer: data parallel over every device
             dp = {"llm": len(trainer.devices)}
         else:
-            dp = {m.name: m.layout.dp * m.layout.ep for m in trainer.graph.modules}
+            dp = {m.name: m.layout.data_ranks for m in trainer.graph.modules}
         bins = (trainer.microbatches, dp.get("vision", dp["llm"]), dp["llm"])
+        if not self.task.run_config.data.sources:
+            self.bins = bins
+            return
+        saved = state["state"] if state and state.get("kind") == "qwen" else None
         self.stream = qwen_loader.QwenStream(self.task.dataset, bins, saved)
 
     def batch(self, step: int) -> dict[str, Any]:
@@ -264,6 +271,13 @@ class QwenBatches:
         self.task.counts.append(counts)
         budget = batch["frame_ids"].size
         self.metrics[step] = {"patches": counts.patches, "patch_fill": counts.patches / budget}
+        if self.bins is not None:
+            tokens = (batch["tokens"] != tokenizer.PAD).sum(1)
+            loads = np.stack([tokens, qwen_flops.row_patches(batch)], axis=1)
+            m = rows_lib.metrics(loads, self.bins, self.task.seq_len)
+            if "image_imbalance" in m:
+                self.metrics[step]["patch_imbalance"] = m["image_imbalance"]
+                self.metrics[step]["token_imbalance"] = m["token_imbalance"]
         return batch
 
     def step_metrics(self, step: int) -> dict[str, float]:

@@ -111,6 +111,7 @@ def test_entry_point_trains_a_qwen_preset(tmp_path):
     row = json.loads(metrics.read_text().splitlines()[-1])
     assert 0 < row["patches"] < 8 * 64 and row["patch_fill"] == row["patches"] / (8 * 64)
     assert 0 < row["model_tflops_per_step/vision"] < row["model_tflops_per_step/llm"]
+    assert row["patch_imbalance"] > 1 and row["token_imbalance"] >= 1  # 8 ranks, 1 row each
     assert np.isfinite(row["loss"])
 
 
