@@ -16,7 +16,11 @@ By concern:
   3D positions, and transformers' processor outputs as a batch;
 - :mod:`~models.qwen.data`, :mod:`~models.qwen.task`, :mod:`~models.qwen.flops` - training:
   synthetic dynamic-resolution data, the trainer's model and batch source, FLOPs per
-  patch.
+  patch;
+- :mod:`~models.qwen.loader`, :mod:`~models.qwen.records`, :mod:`~models.qwen.processor`,
+  :mod:`~models.qwen.video`, :mod:`~models.qwen.template`, :mod:`~models.qwen.packing` -
+  LLaVA-format record files: images at native resolution, videos from files or frame
+  folders, the ``qwen2_vl`` template, rows one sample each or packed.
 """
 
 from typing import Any
