@@ -24,9 +24,10 @@ Values never change, only where each image is encoded: the losses equal the unba
 run's up to the order in which the encoder's parameter gradients are summed.
 
 A unit is one input slot (``ModuleSpec.input_slots`` per row; the output's dim 1 is that
-many equal blocks in slot order). It costs 1 when any of its input values is nonzero:
-the loaders leave unused slots zero (:mod:`models.llava.rows`). Correctness never
-depends on the cost (every slot moves, padding included), only the balance does.
+many equal blocks in slot order). It costs 1 when its input is nonzero (probed:
+:func:`unit_costs`): the loaders leave unused slots zero (:mod:`models.llava.rows`).
+Correctness never depends on the cost (every slot moves, padding included), only the
+balance does.
 Single-process only: a process reads only its own rows of the batch.
 
 Shape key: B rows of a microbatch, K slots per row, U = B*K units, R batch ranks,
@@ -69,13 +70,16 @@ def check_rebalance(names: Sequence[str], modules: Sequence[str], allowed: Seque
         raise LayoutError(f"rebalance names a module twice: {list(names)}; name each once")
 
 
-def unit_costs(inputs: Sequence[np.ndarray], slots: int) -> np.ndarray:
+def unit_costs(inputs: Sequence[np.ndarray], slots: int, *, probes: int = 1024) -> np.ndarray:
     """``[B * K]``: 1 for a slot whose input (any of ``inputs``, ``[B, K, ...]`` or
-    ``[B, ...]`` when ``K == 1``) has a nonzero value, else 0."""
+    ``[B, ...]`` when ``K == 1``) is nonzero at one of ``probes`` evenly spaced values,
+    else 0. Probing, not scanning: a step's images are hundreds of MB on the host, and a
+    real image that is zero at every probe only costs balance, never a value."""
     used = None
     for x in inputs:
         flat = np.asarray(x).reshape(x.shape[0] * slots, -1)
-        nonzero = np.any(flat != 0, axis=1)
+        at = np.unique(np.linspace(0, flat.shape[1] - 1, probes).astype(np.int64))
+        nonzero = np.any(flat[:, at] != 0, axis=1)
         used = nonzero if used is None else used | nonzero
     return used.astype(np.int64)
 
