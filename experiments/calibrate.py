@@ -12,9 +12,11 @@ CPU (the default): times small programs on the simulated devices, all of them at
   (bytes read and written, seconds) gives ``hbm_tbps``;
 - an all-reduce over every device at ``SIZES``: the line through (bytes each device
   sends, seconds) gives the link bandwidth and ``latency_us``;
-- the executor itself on a model of negligible compute (``tiny`` shrunk, non-colocated
-  vision ``dp=4`` | LLM ``pp=4``, 4 microbatches): what the rest of the profile does
-  not explain of its step, over the host calls the planner counts, is ``dispatch_us``.
+- the executor itself on a model of negligible compute (``tiny`` shrunk), in two layouts
+  (``DISPATCH_ROWS``: non-colocated vision ``dp=4`` | LLM ``pp=4`` in 4 microbatches,
+  many calls on one device each; colocated ``dp=8`` in one, few calls on 8 devices each):
+  what the rest of the profile does not explain of their steps gives ``dispatch_us``
+  (per host call the planner counts) and ``launch_us`` (per block, pass and device).
 
 GPU: fits ``matmul_efficiency`` and ``memory_efficiency`` of the built-in H200 so that
 the cost model prices the ``gpu_check`` record's stage rows as measured (the LLM's loss
@@ -94,17 +96,36 @@ def measure(devices: list) -> dict[str, list]:
     return out
 
 
-def dispatch_us(devices: list, hw: Any) -> tuple[float, dict]:
-    """The executor's host cost per call: a negligible-compute step (see the module doc),
-    less what ``hw`` prices of it without dispatch, over the planner's call count."""
+DISPATCH_ROWS = (  # the executor on negligible compute: many 1-device calls, few 8-device ones
+    ("nano islands pp4", "non-colocated", "dp=4", "pp=4", 4),
+    ("nano colocated dp8", "colocated", "dp=8", "dp=8", 1),
+)
+
+
+def host_costs(devices: list, hw: Any) -> tuple[float, float, list]:
+    """``dispatch_us`` and ``launch_us``: the executor's steps on a negligible-compute model
+    (``DISPATCH_ROWS``, see the module doc), less what ``hw`` prices of them without either,
+    solved for the two constants (least squares, clipped at 0)."""
+    import numpy as np
+
     from experiments import validate_plan as vp
     from experiments.bench_executor import nano_preset
 
-    nano = nano_preset(4)
-    row = vp.Row("nano dispatch", "tiny", "non-colocated", "dp=4", "pp=4", 4)
-    got = vp.measure(row, devices, 5, preset=nano)
-    rest, calls = vp.predict(row, dataclasses.replace(hw, dispatch_us=0.0), cfg=nano)
-    return max(got["measured_step_s"] - rest, 0.0) / calls * 1e6, {**got, "planned_calls": calls}
+    nano, rows, a, t = nano_preset(4), [], [], []
+    zero = dataclasses.replace(hw, dispatch_us=0.0, launch_us=0.0)
+    for name, mode, vision, llm, m in DISPATCH_ROWS:
+        row = vp.Row(name, "tiny", mode, vision, llm, m)
+        got = vp.measure(row, devices, 5, preset=nano)
+        rest, calls = vp.predict(row, zero, cfg=nano)
+        per = [
+            vp.predict(row, dataclasses.replace(zero, **{k: 1.0}), cfg=nano)[0] - rest
+            for k in ("dispatch_us", "launch_us")
+        ]
+        a.append(per)
+        t.append(got["measured_step_s"] - rest)
+        rows.append({"layout": name, **got, "planned_calls": calls})
+    (dispatch, launch), *_ = np.linalg.lstsq(np.asarray(a), np.asarray(t), rcond=None)
+    return max(float(dispatch), 0.0), max(float(launch), 0.0), rows
 
 
 def cpu_profile(devices: list) -> tuple[Any, dict]:
@@ -130,8 +151,8 @@ def cpu_profile(devices: list) -> tuple[Any, dict]:
         latency_us=ar.fixed * 1e6,
         gpus_per_node=len(devices),
     )
-    us, row = dispatch_us(devices, hw)
-    hw = dataclasses.replace(hw, dispatch_us=us)
+    dispatch, launch, rows = host_costs(devices, hw)
+    hw = dataclasses.replace(hw, dispatch_us=dispatch, launch_us=launch)
     record = {
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
         "host_cores": os.cpu_count(),
@@ -144,7 +165,7 @@ def cpu_profile(devices: list) -> tuple[Any, dict]:
             "elementwise": ew.max_rel_error,
             "all_reduce": ar.max_rel_error,
         },
-        "dispatch_row": row,
+        "dispatch_rows": rows,
     }
     return hw, record
 
@@ -255,7 +276,7 @@ def describe(hw: Any) -> str:
         f"matmul {hw.peak_tflops * hw.matmul_efficiency * 1e3:.3g} GFLOP/s knee "
         f"{hw.matmul_knee:.0f}, memory {hw.hbm_tbps * hw.memory_efficiency * 1e3:.3g} GB/s, "
         f"link {hw.link_gbps(False):.3g} GB/s + {hw.latency_us:.0f} us, dispatch "
-        f"{hw.dispatch_us:.0f} us per call"
+        f"{hw.dispatch_us:.0f} us per call, launch {hw.launch_us:.0f} us per block pass"
     )
 
 

@@ -54,7 +54,7 @@ ROWS = (
     Row("tiny non-colocated pp", "tiny", "non-colocated", "dp=4", "dp=2,pp=2", 2),
     Row("tiny homogeneous tp", "tiny", "homogeneous", None, "dp=4,tp=2", 2),
     Row("tiny colocated dp", "tiny", "colocated", "dp=8", "dp=8", 1),
-    Row("tiny colocated pp4", "tiny", "colocated", "dp=8", "dp=2,pp=4", 4),
+    Row("tiny colocated pp4", "tiny", "colocated", "dp=4,tp=2", "dp=2,pp=4", 4),
     Row("tiny colocated cp+tp", "tiny", "colocated", "dp=4,tp=2", "dp=2,cp=2,tp=2", 2),
     Row("tiny-moe islands ep", "tiny-moe", "non-colocated", "dp=4", "dp=4,ep=4", 2),
     Row(

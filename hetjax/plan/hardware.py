@@ -13,7 +13,8 @@ LLM's TP: its shards get thin, and thin matmuls run far below peak.
 The time model (:mod:`hetjax.plan.stage`) adds what is not a weight matmul, each priced by
 one constant here: a fixed host cost per program call and per transfer
 (``dispatch_us``: hetjax's executor dispatches one jitted program per stage op),
-element-wise work by the bytes it moves (``hbm_tbps x memory_efficiency``), attention by
+the fixed cost of a block's kernels on each device (``launch_us``), element-wise work by
+the bytes it moves (``hbm_tbps x memory_efficiency``), attention by
 its kernel (a fused kernel at ``fused_attention_efficiency`` of peak; plain attention as
 thin matmuls over ``head_dim`` plus its score matrix's bytes). ``shared_compute`` marks
 devices that share one pool of cores (JAX's simulated CPU devices): a step is then the
@@ -48,6 +49,7 @@ class HardwareProfile:
     latency_us: float = 10.0  # fixed cost per collective call, microseconds
     reserved_gib: float = 6.0  # memory the runtime, NCCL buffers and fragmentation take
     dispatch_us: float = 20.0  # host cost of one program call or transfer, microseconds
+    launch_us: float = 0.0  # fixed cost of one block's kernels per pass per device, us
     memory_efficiency: float = 0.8  # fraction of hbm_tbps element-wise kernels reach
     fused_attention_efficiency: float = 0.0  # fused attention kernel, fraction of peak (0: none)
     shared_compute: bool = False  # devices share the host's cores (simulated CPU devices)

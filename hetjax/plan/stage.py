@@ -32,7 +32,9 @@ and read again (``SCORE_PASSES`` passes over ``heads x keys`` elements per token
 norms, residual adds and the MLP's activation move ``10 D + mats F`` elements per token
 and layer (:func:`elementwise_elements`), the loss head's softmax and its gradient
 ``LOSS_PASSES`` FP32 passes over the vocabulary. Backward moves twice the forward's
-bytes. A frozen module (``ModulePlan.frozen``) computes only input gradients (one
+bytes. Each block (and the embedding or head) costs ``launch_us`` per forward pass on
+every device, twice in the backward: the fixed cost of its kernels, whatever their
+size. A frozen module (``ModulePlan.frozen``) computes only input gradients (one
 forward's matmuls, none at all without a trainable module upstream) and has no
 gradient, optimizer state or update.
 """
@@ -184,8 +186,10 @@ def module_stages(
         compute = weights + attention
         ew_bytes = (elementwise + tokens * layers * scores) * act_bytes
         loss_bytes = tokens * vocab / tp * FP32 if vocab and last else 0.0
-        memory_f = hw.memory_seconds(ew_bytes + LOSS_PASSES[0] * loss_bytes)
-        memory_b = hw.memory_seconds(2 * ew_bytes + LOSS_PASSES[1] * loss_bytes)
+        # Kernel launches: the stage's blocks, plus its embedding or head, once per pass.
+        launch = (layers + (first or last)) * hw.launch_us * 1e-6
+        memory_f = hw.memory_seconds(ew_bytes + LOSS_PASSES[0] * loss_bytes) + launch
+        memory_b = hw.memory_seconds(2 * ew_bytes + LOSS_PASSES[1] * loss_bytes) + 2 * launch
         # TP collectives per pass: two per block forward (after attention and MLP), the
         # vocabulary-parallel embedding's on the first stage; backward one per input
         # gradient of the column-parallel matmuls, the LM head's on the last stage.
