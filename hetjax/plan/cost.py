@@ -149,9 +149,7 @@ def check_plan(cfg: Any, plan: Plan, work: Workload) -> None:
         )
     vd, ld = v.data_ranks, l.data_ranks  # batch slices on either side: dp x fsdp
     if plan.mode != "homogeneous" and vd % ld and ld % vd:
-        raise ValueError(
-            f"boundary: one of vision dp*fsdp={vd} and llm dp*fsdp={ld} must divide the other"
-        )
+        raise ValueError(f"boundary: vision dp*fsdp={vd} or llm dp*fsdp={ld} must divide the other")
 
 
 def _boundary(cfg: Any, plan: Plan, work: Workload, hw: HardwareProfile) -> float:
