@@ -30,6 +30,14 @@
   the partitioner, which on jax 0.10.2 aborts with tp > 1 (Shardy) or leaves dp
   unpartitioned (GSPMD: every device computed both replicas' blocks).
 
+- **Not per fsdp rank.** The fsdp ranks of a replica (:mod:`hetjax.runtime.fsdp`) split
+  its batch like data ranks but are no replica axis: inside the vmap the batch stays
+  split over fsdp (GSPMD's), parameters are gathered per layer, and each backward
+  reduce-scatters the parameter gradient onto the fsdp split, so the accumulator
+  ``[R, ...]`` keeps the parameter's sharding and ``reduce`` sums over dp (x cp) only.
+  Why not replicas over fsdp too: their accumulators would hold a whole gradient each,
+  which is what fsdp exists to avoid.
+
 :class:`ReplicaMap` holds that mapping for one stage; the vjp (:mod:`hetjax.runtime.vjp`)
 runs inside it.
 """

@@ -7,7 +7,10 @@ whatever the microbatch count. Accumulators, the reduction and the optimizer sta
 the trainable parts only; a frozen part's parameters pass through the update unchanged
 (their norm is still reported, so ``param_norm/<part>`` stays constant). Under ZeRO-1 the
 reduced gradients and optimizer moments are split over dp (x cp): the reduction is then a
-reduce-scatter and the update's output an all-gather.
+reduce-scatter and the update's output an all-gather. With fsdp the accumulator, the
+gradients and the moments keep the parameters' fsdp split, and ZeRO-1 splits them further
+over the remaining dp (:func:`~hetjax.runtime.placement.zero1_sharding` skips the mesh
+axes a leaf is already split over).
 
 A stage with one backward per step (one microbatch) has no accumulator: that backward's
 gradient is the step's (:func:`accumulate` with ``acc`` None), so nothing is zero-filled
