@@ -132,3 +132,14 @@ def test_rebalance_flag_repeats_into_the_config():
     cfg = flags.parse_args(["--rebalance", "vision", "--rebalance", "audio"], prog="t")
     assert cfg.parallel.rebalance == "vision,audio"
     assert cfg.parallel.rebalanced == ("vision", "audio")
+
+
+def test_rebalance_in_several_processes_is_one_line(monkeypatch):
+    from hetjax.runtime.feed import Feed
+
+    model = MLLM(get_preset("tiny"))
+    graph = model.train_graph({"vision": hetjax.Layout(dp=2), "llm": hetjax.Layout(dp=2)})
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    batch = {"tokens": np.zeros((2, 8), np.int32)}
+    with pytest.raises(ValueError, match=r"^rebalance runs in one process only .* drop parallel"):
+        Feed(batch, 1, routed={}, links={}, cp={}, rebalance=(graph.module("vision"),))
