@@ -243,7 +243,7 @@ class LlavaBatches:
         if trainer.plan is None:  # the reference trainer: data parallel over every device
             dp = {"llm": len(trainer.devices)}
         else:
-            dp = {m.name: m.layout.dp * m.layout.ep for m in trainer.graph.modules}
+            dp = {m.name: m.layout.data_ranks for m in trainer.graph.modules}
         microbatches = trainer.microbatches
         bins = (microbatches, dp.get("vision", dp["llm"]), dp["llm"])
         image_rows = None  # one process, or the reference trainer: every image
