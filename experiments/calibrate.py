@@ -102,34 +102,62 @@ DISPATCH_ROWS = (  # the executor on negligible compute: many 1-device calls, fe
 )
 
 
-def host_costs(devices: list, hw: Any) -> tuple[float, float, list]:
-    """``dispatch_us`` and ``launch_us``: the executor's steps on a negligible-compute model
-    (``DISPATCH_ROWS``, see the module doc), less what ``hw`` prices of them without either,
-    solved for the two constants (least squares, clipped at 0)."""
-    import numpy as np
-
+def dispatch_rows() -> tuple[list, dict]:
+    """The ``DISPATCH_ROWS`` as :class:`experiments.validate_plan.Row` s and their model."""
     from experiments import validate_plan as vp
     from experiments.bench_executor import nano_preset
 
-    nano, rows, a, t = nano_preset(4), [], [], []
+    rows = [vp.Row(name, "tiny", *rest) for name, *rest in DISPATCH_ROWS]
+    nano = nano_preset(4)
+    return rows, {row.name: nano for row in rows}
+
+
+def host_costs(hw: Any, measured: list[dict]) -> tuple[float, float, list]:
+    """``dispatch_us`` and ``launch_us`` from the ``dispatch_rows`` steps ``measured``
+    (:func:`experiments.validate_plan.measure_rows`): what ``hw`` prices of them without
+    either, then the two constants by least squares (at least 0)."""
+    import numpy as np
+
+    from experiments import validate_plan as vp
+
+    rows, models = dispatch_rows()
     zero = dataclasses.replace(hw, dispatch_us=0.0, launch_us=0.0)
-    for name, mode, vision, llm, m in DISPATCH_ROWS:
-        row = vp.Row(name, "tiny", mode, vision, llm, m)
-        got = vp.measure(row, devices, 5, preset=nano)
+    a, t, out = [], [], []
+    for row, got in zip(rows, measured, strict=True):
+        nano = models[row.name]
         rest, calls = vp.predict(row, zero, cfg=nano)
-        per = [
-            vp.predict(row, dataclasses.replace(zero, **{k: 1.0}), cfg=nano)[0] - rest
-            for k in ("dispatch_us", "launch_us")
-        ]
-        a.append(per)
+        a.append(
+            [
+                vp.predict(row, dataclasses.replace(zero, **{k: 1.0}), cfg=nano)[0] - rest
+                for k in ("dispatch_us", "launch_us")
+            ]
+        )
         t.append(got["measured_step_s"] - rest)
-        rows.append({"layout": name, **got, "planned_calls": calls})
-    (dispatch, launch), *_ = np.linalg.lstsq(np.asarray(a), np.asarray(t), rcond=None)
-    return max(float(dispatch), 0.0), max(float(launch), 0.0), rows
+        out.append({"layout": row.name, **got, "planned_calls": calls})
+    dispatch, launch = _nonnegative_lstsq(np.asarray(a), np.asarray(t))
+    return dispatch, launch, out
 
 
-def cpu_profile(devices: list) -> tuple[Any, dict]:
-    """The CPU profile fitted on ``devices`` now, and the record of what it was fitted on."""
+def _nonnegative_lstsq(a: Any, t: Any) -> tuple[float, ...]:
+    """Least squares with every coefficient at least 0: the free solution if it is, else
+    the best fit with one coefficient pinned at 0 (two unknowns)."""
+    import numpy as np
+
+    free, *_ = np.linalg.lstsq(a, t, rcond=None)
+    if min(free) >= 0:
+        return tuple(float(x) for x in free)
+    best, out = np.inf, (0.0,) * a.shape[1]
+    for j in range(a.shape[1]):
+        col = a[:, j]
+        x = max(float(col @ t / (col @ col)), 0.0)
+        if (err := float(np.sum((t - x * col) ** 2))) < best:
+            best, out = err, tuple(x if i == j else 0.0 for i in range(a.shape[1]))
+    return out
+
+
+def micro_profile(devices: list) -> tuple[Any, dict]:
+    """The CPU profile's rates from the timed programs (dispatch and launch not yet
+    fitted), and the record of what it was fitted on."""
     import jax
 
     from hetjax.plan import get_profile
@@ -151,8 +179,6 @@ def cpu_profile(devices: list) -> tuple[Any, dict]:
         latency_us=ar.fixed * 1e6,
         gpus_per_node=len(devices),
     )
-    dispatch, launch, rows = host_costs(devices, hw)
-    hw = dataclasses.replace(hw, dispatch_us=dispatch, launch_us=launch)
     record = {
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
         "host_cores": os.cpu_count(),
@@ -165,9 +191,24 @@ def cpu_profile(devices: list) -> tuple[Any, dict]:
             "elementwise": ew.max_rel_error,
             "all_reduce": ar.max_rel_error,
         },
-        "dispatch_rows": rows,
     }
     return hw, record
+
+
+def with_host_costs(hw: Any, record: dict, measured: list[dict]) -> tuple[Any, dict]:
+    """``hw`` with ``dispatch_us`` and ``launch_us`` fitted (:func:`host_costs`)."""
+    dispatch, launch, rows = host_costs(hw, measured)
+    hw = dataclasses.replace(hw, dispatch_us=dispatch, launch_us=launch)
+    return hw, {**record, "dispatch_rows": rows}
+
+
+def cpu_profile(devices: list, steps: int = 5) -> tuple[Any, dict]:
+    """The CPU profile fitted on ``devices`` now, and the record of what it was fitted on."""
+    from experiments import validate_plan as vp
+
+    hw, record = micro_profile(devices)
+    rows, models = dispatch_rows()
+    return with_host_costs(hw, record, vp.measure_rows(rows, devices, steps, models))
 
 
 def _now() -> str:

@@ -1,6 +1,7 @@
 """The planner's step time against measured steps: ``python -m experiments.validate_plan``.
 
-    python -m experiments.validate_plan [--quick] [--steps N] [--no-calibrate] [--json out.json]
+    python -m experiments.validate_plan [--quick] [--steps N] [--no-calibrate | --write-profile]
+        [--json out.json]
 
 Trains each layout of ``ROWS`` (tiny and small presets on 8 simulated CPU devices:
 colocated, non-colocated islands, the homogeneous baseline; dp, tp, pp, cp, ep; a frozen
@@ -14,7 +15,8 @@ beside the planner's count (:func:`hetjax.plan.cost.calls`).
 The machine is shared and its speed drifts, so by default the CPU profile is fitted in
 the same run, right before the rows (:func:`experiments.calibrate.cpu_profile`), and
 the rows are predicted with it; the committed ``hetjax/plan/profiles/cpu.json`` is
-what ``--no-calibrate`` (and ``--quick``, for the test: one tiny row) uses. Prints a
+what ``--no-calibrate`` (and ``--quick``, for the test: one tiny row) uses, and
+``--write-profile`` replaces with this run's. Prints a
 row per layout and a summary: median and worst ``|predicted / measured - 1|`` and
 Kendall's tau between the two rankings (goals: 15%, 30%, 0.8; reported, the exit status
 does not check them). ``--json`` writes ``{"rows": [...], "summary": {...}}``.
@@ -80,8 +82,9 @@ QUICK_ROWS = ROWS[1:2]
 class ValidateConfig:
     json: str | None = None  # write {"rows": [...], "summary": {...}}
     quick: bool = False  # one tiny row, the committed profile (for the test)
-    steps: int = 4  # steps per row (the first compiles)
+    steps: int = 5  # steps per row (the first compiles, the second counts calls)
     no_calibrate: bool = False  # predict with the committed CPU profile
+    write_profile: bool = False  # write the profile fitted in this run to profiles/cpu.json
 
 
 def plan_of(row: Row, cfg: Any = None) -> tuple[Any, Any, Any]:
@@ -130,33 +133,60 @@ def config_of(row: Row, steps: int) -> Any:
     )
 
 
-def measure(row: Row, devices: list, steps: int, preset: Any = None) -> dict:
-    """Median step wall time after the first step, and host calls of one step
-    (``preset``: a shrunk model instead of the row's)."""
-    from experiments import runner
-    from hetjax import Observer
+class _Run:
+    """One row's trainer, compiled and stepped once, counting the host calls of a step."""
 
-    class Calls(Observer):
-        count = 0
+    def __init__(self, row: Row, devices: list, preset: Any = None):
+        from experiments import runner
+        from hetjax import Observer
 
-        def on_dispatch(self, event: Any) -> None:
-            self.count += 1
+        class Calls(Observer):
+            count = 0
 
-        def on_transfer(self, event: Any) -> None:
-            self.count += 1
+            def on_dispatch(self, event: Any) -> None:
+                self.count += 1
 
-    counter = Calls()
-    cfg = config_of(row, steps)
-    tr = runner.trainer(cfg, devices=devices, observers=[counter], preset=preset)
-    batches = runner.batches(tr, steps)
-    _, times = runner.timed_steps(tr.engine, batches[:-1])
-    before = counter.count
-    _, last = runner.timed_steps(tr.engine, batches[-1:] * 2)  # a step counted alone
-    del tr
-    return {
-        "measured_step_s": statistics.median(times + last),
-        "measured_calls": (counter.count - before) // 2,
-    }
+            def on_transfer(self, event: Any) -> None:
+                self.count += 1
+
+        self.counter = Calls()
+        tr = runner.trainer(
+            config_of(row, 2), devices=devices, observers=[self.counter], preset=preset
+        )
+        self.engine, self.batch = tr.engine, tr.data.batch(0)
+        runner.timed_steps(self.engine, [self.batch])  # compiles
+        before = self.counter.count
+        self.times = runner.timed_steps(self.engine, [self.batch] * 2)[1]
+        self.calls = (self.counter.count - before) // 2
+
+    def step(self) -> None:
+        """Times one more step (the engine is warm)."""
+        import time
+
+        import jax
+
+        t0 = time.perf_counter()
+        metrics = self.engine.step(self.batch)
+        float(metrics["loss"])
+        jax.block_until_ready(self.engine.params)
+        self.times.append(time.perf_counter() - t0)
+
+
+def measure_rows(
+    rows: list[Row], devices: list, steps: int, presets: dict | None = None
+) -> list[dict]:
+    """Per row: the median wall time of ``steps - 2`` steps after the first (which
+    compiles) and one more, and the host calls of one step. The rows' trainers are built
+    first and then stepped in turn, a step of each per round, so a slow minute of the
+    shared machine lands on every row alike (``presets``: row name -> a shrunk model)."""
+    presets = presets or {}
+    runs = [_Run(row, devices, presets.get(row.name)) for row in rows]
+    for _ in range(max(steps - 3, 0)):
+        for run in runs:
+            run.step()
+    out = [{"measured_step_s": statistics.median(r.times), "measured_calls": r.calls} for r in runs]
+    del runs
+    return out
 
 
 def kendall_tau(a: list[float], b: list[float]) -> float:
@@ -187,16 +217,35 @@ def main(config: ValidateConfig) -> dict:
     from hetjax.plan import get_profile
 
     if config.steps < 3:
-        raise SystemExit("--steps must be at least 3 (the first compiles, the last is counted)")
+        raise SystemExit("--steps must be at least 3 (the first compiles, the second counts)")
     devices = runner.start(DEVICES, cache="validate_plan")
     hw, fitted_on = get_profile("cpu"), "hetjax/plan/profiles/cpu.json"
-    if not (config.quick or config.no_calibrate):
-        hw, record = calibrate.cpu_profile(devices)
+    todo = list(QUICK_ROWS if config.quick else ROWS)
+    calibrating = not (config.quick or config.no_calibrate)
+    extra, models = calibrate.dispatch_rows() if calibrating else ([], {})
+    if calibrating:
+        hw, record = calibrate.micro_profile(devices)
+    # Rows measured together (round-robin, :func:`measure_rows`): the dispatch rows with
+    # the tiny ones; the small ones one at a time (their trainers' memory).
+    groups = [extra + [r for r in todo if r.preset != "small"]]
+    groups += [[r] for r in todo if r.preset == "small"]
+    measured = {}
+    for group in groups:
+        got_rows = measure_rows(group, devices, config.steps, models)
+        for row, got in zip(group, got_rows, strict=True):
+            measured[row.name] = got
+            print(f"  measured {row.name}: {got['measured_step_s']:.3f} s", file=sys.stderr)
+    if calibrating:
+        hw, record = calibrate.with_host_costs(hw, record, [measured[r.name] for r in extra])
         fitted_on = f"this run ({record['date']})"
+        if config.write_profile:
+            from hetjax.plan.hardware import PROFILE_DIR, save_profile
+
+            save_profile(hw, os.path.join(PROFILE_DIR, "cpu.json"), record)
     print(f"profile: {fitted_on}: {calibrate.describe(hw)}", file=sys.stderr)
     rows = []
-    for row in QUICK_ROWS if config.quick else ROWS:
-        got = measure(row, devices, config.steps)
+    for row in todo:
+        got = measured[row.name]
         predicted, calls = predict(row, hw)
         rows.append(
             {
@@ -215,7 +264,6 @@ def main(config: ValidateConfig) -> dict:
                 "error": predicted / got["measured_step_s"] - 1,
             }
         )
-        print(f"  measured {row.name}: {got['measured_step_s']:.3f} s", file=sys.stderr)
     runner.print_table(
         rows,
         [
@@ -251,6 +299,9 @@ def parse_args(argv: list[str]) -> ValidateConfig:
     p.add_argument("--steps", type=positive_int, default=d.steps, help="steps per row")
     p.add_argument(
         "--no-calibrate", action="store_true", help="use the committed CPU profile as is"
+    )
+    p.add_argument(
+        "--write-profile", action="store_true", help="write this run's profile to cpu.json"
     )
     return ValidateConfig(**vars(p.parse_args(argv)))
 
