@@ -288,9 +288,16 @@ def search(
 def _stock(alone: list, price: Any) -> Estimate | None:
     """The paper's baseline: the LLM's layouts by their own step time (distributed
     optimizer, the fastest first); the first that still fits once the encoder inherits
-    it, its savers included, on the first stage."""
+    it, its savers included, on the first stage. Times equal to six digits are a tie (a
+    CP ring hidden behind attention makes cp and dp interchangeable): the user keeps the
+    most data parallelism (the least cp, then pp, then tp)."""
+
+    def order(a: tuple) -> tuple:
+        lay = a[2].layout
+        return float(f"{a[0]:.6g}"), lay.cp, lay.pp, lay.tp
+
     zero1 = [a for a in alone if a[2].zero1] or alone  # savers without ZeRO-1: as given
-    for _t, m, mp, stages in sorted(zero1, key=lambda a: a[0]):
+    for _t, m, mp, stages in sorted(zero1, key=order):
         enc = dataclasses.replace(mp, layout=dataclasses.replace(mp.layout, pp=1, ep=1))
         plan = Plan("homogeneous", enc, mp, m)
         if price(plan, stages):
