@@ -83,3 +83,9 @@ def test_what_would_change_finds_the_smallest_factor(monkeypatch):
     assert (row["gain_pct_min"], row["gain_pct_max"]) == pytest.approx((8.0, 12.0))
     # 10 + 10 (f - 1) = 21.6 at f = 2.16: knee 96 -> 207.
     assert row["note"] == "+21.6% needs matmul_knee x2.16 (96 -> 207): then colocated, +21.6%"
+    # A gain that jumps (a layout switch) is no line: the planned check says so.
+    monkeypatch.setattr(pt, "summary", lambda *a, **k: fake(*a, **k) | {"gain_pct": 10.0})
+    assert pt.what_would_change(row, row["perturbations"], base, "paper") == (
+        "no single hardware constant within x0.25-x4 reaches +21.6% (extrapolated, planned: "
+        "matmul_knee x2.16 (96 -> 207) gives colocated, +10.0%)"
+    )
