@@ -23,6 +23,11 @@ gradient per device); and a remat policy that saves everything but the gathered 
 (by name) still saves the residual outputs of a ``custom_vjp`` layer such as
 :func:`hetjax.ops.dense`, which are new values to the policy: the weights were stashed.
 
+Inside a stage run per cp rank (a ``shard_map`` manual over dp, fsdp and cp:
+:func:`hetjax.runtime.replicas.cp_local`) the parameters arrive as this rank's fsdp
+shard and the same two steps are explicit collectives: ``all_gather`` and
+``psum_scatter`` over fsdp.
+
 The batch is split over fsdp as over dp (``"batch" -> ("dp", "fsdp", "ep")``): each
 fsdp rank runs its own rows with the whole layer, and the reduce-scatter sums the ranks'
 partial weight gradients. Unlike dp, fsdp ranks are not separate gradient replicas
@@ -70,22 +75,30 @@ class FsdpGather:
         return _gathered_call(self, fn, params, args)
 
     def gather(self, params: Any) -> Any:
-        """``params`` with every fsdp-split leaf constrained to its gathered sharding."""
-        return self._constrain(params, gathered_spec)
+        """``params`` with every fsdp-split leaf gathered: constrained to its gathered
+        sharding, or inside a region manual over fsdp (a stage run per cp rank,
+        :mod:`hetjax.runtime.replicas`) all-gathered explicitly."""
+        manual = functools.partial(jax.lax.all_gather, axis_name=FSDP_AXIS, tiled=True)
+        return self._each(params, gathered_spec, lambda x, dim: manual(x, axis=dim))
 
     def scatter(self, grads: Any) -> Any:
-        """Gradients of the gathered ``params`` constrained to the stored sharding."""
-        return self._constrain(grads, lambda spec: spec)
+        """Gradients of the gathered ``params`` back on the stored split: a constraint,
+        or (manual over fsdp) an explicit reduce-scatter."""
+        manual = functools.partial(jax.lax.psum_scatter, axis_name=FSDP_AXIS, tiled=True)
+        return self._each(grads, lambda s: s, lambda g, dim: manual(g, scatter_dimension=dim))
 
-    def _constrain(self, tree: Any, spec_of: Callable) -> Any:
+    def _each(self, tree: Any, spec_of: Callable, manual: Callable) -> Any:
         here = jax.sharding.get_abstract_mesh()
-        # Inside a shard_map (a stage run per cp rank) a constraint names the region's
-        # own abstract mesh; fsdp and tp are left automatic there.
+        explicit = FSDP_AXIS in here.manual_axes
+        # Inside a shard_map a constraint names the region's own abstract mesh.
         mesh = here if here.manual_axes else self.mesh
 
         def leaf(spec: PartitionSpec, x: jax.Array) -> jax.Array:
-            if FSDP_AXIS not in jax.tree.leaves(tuple(spec)):
+            dims = [i for i, e in enumerate(spec) if FSDP_AXIS in jax.tree.leaves(e)]
+            if not dims:
                 return x
+            if explicit:
+                return manual(x, dims[0])
             return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec_of(spec)))
 
         return jax.tree.map(leaf, self.specs, tree, is_leaf=lambda x: isinstance(x, PartitionSpec))

@@ -99,7 +99,9 @@ class StageProgram:
             "router" in jax.tree_util.keystr(k) for k, _ in jax.tree.leaves_with_path(self.axes)
         )
         self.cp_local = cp_local(spec, mesh, is_sink=is_sink, moe=moe)
-        self.map = ReplicaMap(mesh, self.cp_local, spec.seq_inputs)
+        self.param_shardings = param_shardings(self.axes, mesh)
+        specs = jax.tree.map(lambda s: s.spec, self.param_shardings)
+        self.map = ReplicaMap(mesh, self.cp_local, spec.seq_inputs, specs)
         self.replicas, self.acc_axes = self.map.replicas, self.map.acc_axes
         self.vjp = StageVjp(
             self.fn,
@@ -111,7 +113,6 @@ class StageProgram:
         )
         self.keeps_residuals = self.vjp.keeps_residuals
         self.forward_stashes = self.vjp.forward_stashes
-        self.param_shardings = param_shardings(self.axes, mesh)
         self.replicated = NamedSharding(mesh, P())
         self.devices = frozenset(mesh.devices.flat)
         # Whether this process owns a device of the stage. If not (a multi-process run,

@@ -52,8 +52,10 @@ import jax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from hetjax.meshes import FSDP_AXIS
 from hetjax.ops.token_routing import Routed
 from hetjax.runtime.graph import ModuleSpec
+from hetjax.runtime.stage_fn import split_parts
 
 REPLICA_AXIS = "dp"  # gradients are kept per replica of this axis until the step ends
 CP_AXIS = "cp"  # and, where the stage runs per cp rank (StageProgram.cp_local), of this one
@@ -82,18 +84,16 @@ def cp_local(spec: ModuleSpec, mesh: Mesh, *, is_sink: bool, moe: bool) -> bool:
     * ...") and GSPMD left the replica vmap's dp axis unpartitioned (every device computed
     both dp replicas' attention blocks; 1.7x the cost model's backward FLOPs in
     ``tests/plan/test_validation.py``'s ``colocated_cp``). Manual over dp as well, only
-    tp is left, and both compile as they should. Fully sharded data parallelism leaves
-    fsdp automatic too: with tp > 1 as well (two automatic axes) jax 0.10.2's partitioner
-    aborts with the same check, so such a stage is not run per cp rank; fsdp with tp = 1
-    is. (Making fsdp manual there too would need explicit gathers and reduce-scatters in
-    :mod:`hetjax.runtime.fsdp`.)"""
+    tp is left, and both compile as they should. For the same reason a stage with fsdp
+    runs manual over fsdp too (left automatic beside tp, jax 0.10.2 aborts with the same
+    check): its parameters enter split over fsdp and :mod:`hetjax.runtime.fsdp` gathers
+    and reduce-scatters them with explicit collectives there."""
     return (
         mesh.shape[CP_AXIS] > 1
         and is_sink
         and bool(spec.seq_inputs)
         and mesh.shape["ep"] == 1
         and not moe
-        and not (mesh.shape["fsdp"] > 1 and mesh.shape["tp"] > 1)
     )
 
 
@@ -104,6 +104,40 @@ class ReplicaMap:
     mesh: Mesh  # the stage's submesh
     cp_local: bool  # run per cp rank (:func:`cp_local`)
     seq_inputs: tuple[str, ...]  # batch keys with a sequence axis (ModuleSpec.seq_inputs)
+    # The stage's parameter specs (stage-shaped), for the fsdp split they enter cp_map with.
+    param_specs: Any = dataclasses.field(default=None, compare=False)
+
+    @property
+    def fsdp_manual(self) -> bool:
+        """Per cp rank with fsdp: the region is manual over fsdp too (:func:`cp_local`)."""
+        return self.cp_local and self.mesh.shape[FSDP_AXIS] > 1
+
+    @property
+    def manual_axes(self) -> tuple[str, ...]:
+        """The axes :meth:`cp_map` is manual over, in mesh order."""
+        return (REPLICA_AXIS, FSDP_AXIS, CP_AXIS) if self.fsdp_manual else MANUAL_AXES_ORDER
+
+    @property
+    def rank_spec(self) -> P:
+        """``[B or R, L or cp, ...]`` split per device of :meth:`cp_map`: the batch (or
+        replica) axis over dp (and fsdp, manual), the sequence (or cp) axis over cp."""
+        return P(self.manual_axes[:-1], CP_AXIS) if self.fsdp_manual else PER_RANK
+
+    @property
+    def loss_spec(self) -> P:
+        """One partial loss per device of :meth:`cp_map` (summed outside)."""
+        return P(self.manual_axes)
+
+    def grad_specs(self, trainable: tuple[str, ...]) -> Any:
+        """Out specs of the per-rank parameter gradients ``[R, cp, ...]``: split over dp
+        and cp, and (manual fsdp) over fsdp where the parameter is."""
+        if not self.fsdp_manual:
+            return PER_RANK
+        return jax.tree.map(
+            lambda s: P(REPLICA_AXIS, CP_AXIS, *_fsdp_only(s)),
+            split_parts(self.param_specs, trainable)[0],
+            is_leaf=lambda x: isinstance(x, P),
+        )
 
     @property
     def replicas(self) -> int:
@@ -115,23 +149,30 @@ class ReplicaMap:
         """Accumulator axes before the parameter's own: [R] or, per cp rank, [R, cp]."""
         return (REPLICA_AXIS, CP_AXIS) if self.cp_local else (REPLICA_AXIS,)
 
-    def cp_map(self, fn: Callable, data: tuple, out_specs: tuple) -> Callable:
+    def cp_map(
+        self, fn: Callable, data: tuple, out_specs: tuple, trainable: tuple[str, ...] = ()
+    ) -> Callable:
         """``fn(trained, frozen, *data)`` as it is, or (:attr:`cp_local`) per cp rank: in
         a ``shard_map`` manual over dp and cp (tp stays the partitioner's; each device
         runs its one replica), every leaf of ``data`` split over dp on dim 0 and, where
         it has a sequence axis, over cp on dim 1 (:meth:`seq_specs`), parameters whole
-        over dp and cp (still split over tp). ``fn`` differentiates
+        over dp and cp (still split over tp; with manual fsdp, as stored over fsdp: the
+        parts in ``trainable`` first, then the others). ``fn`` differentiates
         inside, so a parameter's cotangent is this rank's partial sum: no psum over cp.
         ``check_vma=False``: nothing here is differentiated through the ``shard_map``
         itself (the ring's custom VJP passes its own cotangents around)."""
         if not self.cp_local:
             return fn
+        params = (P(), P())
+        if self.fsdp_manual:
+            specs = jax.tree.map(_fsdp_only, self.param_specs, is_leaf=lambda x: isinstance(x, P))
+            params = split_parts(specs, trainable)
         return jax.shard_map(
             fn,
             mesh=self.mesh,
-            in_specs=(P(), P(), *(self.seq_specs(d) for d in data)),
+            in_specs=(*params, *(self.seq_specs(d) for d in data)),
             out_specs=out_specs,
-            axis_names=MANUAL_AXES,
+            axis_names=frozenset(self.manual_axes),
             check_vma=False,
         )
 
@@ -140,7 +181,7 @@ class ReplicaMap:
         the replica axis): and over cp on dim 1 for activations, their cotangents,
         residuals (``[R, cp, ...]``, :meth:`per_rank`), routed tokens and the batch's
         ``seq_inputs``; whole over cp otherwise."""
-        split, whole = PER_RANK, P(REPLICA_AXIS)
+        split, whole = self.rank_spec, P(self.rank_spec[0])
         if tree is None:
             return P()
         if isinstance(tree, dict):  # a batch, or a first stage's link inputs
@@ -190,3 +231,8 @@ class ReplicaMap:
     def merge(tree: Any) -> Any:
         """Inverse of :meth:`split`: ``[R, batch / R, ...]`` back to ``[batch, ...]``."""
         return jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]), tree)
+
+
+def _fsdp_only(spec: P) -> P:
+    """``spec`` with only its fsdp entries (what a region manual over fsdp names)."""
+    return P(*(FSDP_AXIS if FSDP_AXIS in jax.tree.leaves(e) else None for e in spec))

@@ -37,10 +37,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 
 from hetjax.ops.dense import DENSE_OUTPUT
-from hetjax.runtime.replicas import MANUAL_AXES_ORDER, PER_RANK, ReplicaMap
+from hetjax.runtime.replicas import ReplicaMap
 from hetjax.runtime.residuals import Residuals
 from hetjax.runtime.stage_fn import StageFunction, split_parts
 from hetjax.runtime.update import accumulate
@@ -113,7 +112,7 @@ class StageVjp:
             return m.merge(y), m.per_rank(res)
 
         data = (start, batch)
-        return m.cp_map(replicas, data, (PER_RANK, PER_RANK))(
+        return m.cp_map(replicas, data, (m.rank_spec, m.rank_spec), self.trainable)(
             *split_parts(params, self.trainable), *data
         )
 
@@ -138,9 +137,10 @@ class StageVjp:
 
         data = (x, batch, g_out)
         x_diff = self._split_input(x)[0]
-        gp, gx, loss = m.cp_map(
-            replicas, data, (PER_RANK, m.seq_specs(x_diff), P(MANUAL_AXES_ORDER))
-        )(*split_parts(params, self.trainable), *data)
+        out_specs = (m.grad_specs(self.trainable), m.seq_specs(x_diff), m.loss_spec)
+        gp, gx, loss = m.cp_map(replicas, data, out_specs, self.trainable)(
+            *split_parts(params, self.trainable), *data
+        )
         return accumulate(acc, gp), gx, jnp.sum(loss)
 
     def backward_residuals(self, params, acc, res, batch, g_out, normalizer):
@@ -162,7 +162,8 @@ class StageVjp:
             return m.per_rank(gp), m.sum_whole_over_cp(m.merge(gx))
 
         data = (res, g_out)
-        gp, gx = m.cp_map(replicas, data, (PER_RANK, PER_RANK))(
+        out_specs = (m.grad_specs(self.trainable), m.rank_spec)
+        gp, gx = m.cp_map(replicas, data, out_specs, self.trainable)(
             *split_parts(params, self.trainable), *data
         )
         return accumulate(acc, gp), gx, jnp.zeros((), jnp.float32)

@@ -5,10 +5,10 @@ Parity (the harness of ``tests/runtime/parity.py``: parameters after one step wi
 atol 1e-6, losses and norms within rtol 1e-5 at each of 10 steps, nothing compiled after
 the first step) over a covering set of layouts: fsdp in the encoder and the LLM, with tp
 (A), with pp across islands and microbatches (B), with ZeRO-1 over the remaining dp (C),
-with cp run per cp rank (D: tp = 1) and without (E: fsdp, cp and tp together, see
-``hetjax.runtime.replicas.cp_local``), the homogeneous baseline (F), a dropless MoE LLM
-with ep (G), ``full`` recompute (H) and a frozen encoder under ``selective`` (I). A and
-B run by default, the rest are ``slow`` (CI runs them).
+with cp, run per cp rank in a region manual over dp, fsdp and cp (its gradients reduced
+over cp once per step), with tp = 1 (D) and tp = 2 (E), the homogeneous baseline (F), a
+dropless MoE LLM with ep (G), ``full`` recompute (H) and a frozen encoder under
+``selective`` (I). A and B run by default, the rest are ``slow`` (CI runs them).
 
 What makes it FSDP, checked on A's executor after its 10 steps (no new compile):
 
@@ -36,7 +36,13 @@ from hetjax.runtime.fsdp import bytes_per_device, expected_bytes_per_device
 from models.config import get_preset
 from models.mllm import MLLM
 from tests.runtime import parity
-from tests.runtime.parity import Case, check_matches_reference, reference
+from tests.runtime.parity import (
+    STEPS,
+    Case,
+    assert_cp_reduced_once_per_step,
+    check_matches_reference,
+    reference,
+)
 
 GLOBAL_BATCH = 8
 case = functools.partial(parity.case, slow=True)
@@ -142,7 +148,12 @@ def test_a_matches_single_device_reference(run_a):
 
 @pytest.mark.parametrize("case", CASES)
 def test_matches_single_device_reference(case):
-    run_case(case)
+    rec = Recorder()
+    ex = run_case(case, (rec,))
+    if case.parsed["llm"].cp > 1 and get_preset(case.preset).llm.moe is None:
+        # Per cp rank (manual over dp, fsdp and cp): reduced over cp once per step.
+        assert all(p.map.fsdp_manual for k, p in ex.programs.items() if k[0] == "llm")
+        assert_cp_reduced_once_per_step(rec, ex, STEPS)
 
 
 def test_state_is_split_over_fsdp(run_a):
