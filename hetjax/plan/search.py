@@ -92,9 +92,10 @@ def _powers(limit: int) -> list[int]:
 
 
 def llm_layouts(
-    cfg: Any, n: int, work: Workload, hw: HardwareProfile, *, even: bool = True
+    cfg: Any, n: int, work: Workload, hw: HardwareProfile, *, even: bool = True, fsdp: bool = False
 ) -> list[Layout]:
-    """The LLM's valid layouts on ``n`` GPUs (``even``: pp divides the layers)."""
+    """The LLM's valid layouts on ``n`` GPUs (``even``: pp divides the layers; ``fsdp``:
+    also every power-of-two fsdp share of the data ranks that divides the width)."""
     llm, out = cfg.llm, []
     for tp in _divisors(llm.kv_heads, hw.gpus_per_node):
         for cp in _powers(MAX_CP):
@@ -103,13 +104,16 @@ def llm_layouts(
             for pp in _divisors(llm.depth, MAX_PP) if even else range(1, MAX_PP + 1):
                 if n % (tp * cp * pp):
                     continue
-                dp = n // (tp * cp * pp)
-                eps = [1] if not llm.moe else _divisors(dp, llm.moe.num_experts)
-                out += [
-                    Layout(dp=dp, tp=tp, cp=cp, pp=pp, ep=ep)
-                    for ep in eps
-                    if not (llm.moe and llm.moe.num_experts % ep)
-                ]
+                ranks = n // (tp * cp * pp)
+                shares = [f for f in _powers(ranks) if ranks % f == 0 and llm.width % f == 0]
+                for f in shares if fsdp else [1]:
+                    dp = ranks // f
+                    eps = [1] if not llm.moe else _divisors(dp, llm.moe.num_experts)
+                    out += [
+                        Layout(dp=dp, fsdp=f, tp=tp, cp=cp, pp=pp, ep=ep)
+                        for ep in eps
+                        if not (llm.moe and llm.moe.num_experts % ep)
+                    ]
     return out
 
 
@@ -150,6 +154,7 @@ def search(
     even_stages: bool = True,
     savers: Sequence[dict] = SAVERS,
     keep: int = SIMULATED,
+    fsdp: bool = False,
 ) -> SearchResult:
     """The best heterogeneous plan in ``modes`` and the best homogeneous plan.
 
@@ -164,6 +169,7 @@ def search(
         savers: The :class:`ModulePlan` options tried per module (recompute, zero1,
             sequence_parallel), e.g. ``[dict(zero1=True)]`` to fix ZeRO-1 on.
         keep: Best closed-form plans per mode re-timed with the simulator (and ranked).
+        fsdp: Also search the LLM's fsdp degrees (:func:`llm_layouts`).
 
     Returns:
         The :class:`SearchResult`.
@@ -196,13 +202,13 @@ def search(
             return llm_cache[n]
         items: dict[int, list] = defaultdict(list)
         for lay, mbs, saver in itertools.product(
-            llm_layouts(cfg, n, work, hw, even=even_stages), MICROBATCH_SIZES, savers
+            llm_layouts(cfg, n, work, hw, even=even_stages, fsdp=fsdp), MICROBATCH_SIZES, savers
         ):
-            if work.global_batch % (lay.dp * mbs):
+            if work.global_batch % (lay.data_ranks * mbs):
                 continue
-            m = work.global_batch // (lay.dp * mbs)
+            m = work.global_batch // (lay.data_ranks * mbs)
             mp = ModulePlan(lay, **saver)
-            probe = Plan("homogeneous", ModulePlan(Layout(dp=lay.dp)), mp, m)
+            probe = Plan("homogeneous", ModulePlan(Layout(dp=lay.data_ranks)), mp, m)
             stages = llm_stages(cfg, probe, work, hw)
             count[0] += 1
             per = [s.forward_s + s.backward_s + 2 * s.recv_s for s in stages]

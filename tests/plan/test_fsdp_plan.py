@@ -1,11 +1,15 @@
 """The cost model prices fsdp: state / fsdp per device, per-microbatch gathers and
-reduce-scatters of the weights, the batch split over dp x fsdp."""
+reduce-scatters of the weights, the batch split over dp x fsdp; the search offers the
+LLM's fsdp degrees when asked (``search(..., fsdp=True)``)."""
+
+import dataclasses
 
 import pytest
 
 from hetjax.meshes.layout import Layout
-from hetjax.plan import ModulePlan, Plan, Workload, estimate
-from models.config import paper_preset
+from hetjax.plan import ModulePlan, Plan, Workload, estimate, get_profile
+from hetjax.plan.search import llm_layouts, search
+from models.config import get_preset, paper_preset
 
 CFG = paper_preset("vit-3b", "llm-70b", 8192)
 WORK = Workload(64, 8192, images_per_sample=4)
@@ -45,3 +49,16 @@ def test_fsdp_splits_the_state_and_gathers_the_weights_per_microbatch():
 def test_batch_must_split_over_dp_times_fsdp():
     with pytest.raises(ValueError, match=r"llm: dp\*fsdp=64 must divide the 8 samples"):
         llm_stages(Layout(dp=8, fsdp=8))
+
+
+def test_search_offers_fsdp_shares_of_the_data_ranks():
+    tiny, work, hw = get_preset("tiny"), Workload(8, 64, 1, act_bytes=4), get_profile("cpu")
+    plain = llm_layouts(tiny, 8, work, hw)
+    both = llm_layouts(tiny, 8, work, hw, fsdp=True)
+    assert set(plain) < set(both) and all(lay.fsdp == 1 for lay in plain)
+    folded = {dataclasses.replace(lay, dp=lay.data_ranks, fsdp=1) for lay in both}
+    assert folded == set(plain)  # fsdp only re-splits the data ranks of a plain layout
+    assert {lay.fsdp for lay in both} == {1, 2, 4, 8}
+    without = search(tiny, 8, work, hw)
+    found = search(tiny, 8, work, hw, fsdp=True)
+    assert found.best.step_time_s <= without.best.step_time_s
