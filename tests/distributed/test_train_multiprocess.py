@@ -290,32 +290,26 @@ def test_checkpoints_move_between_process_counts(tmp_path):
 # Checkpoints of stages held by one process (2 x 4, the "colocated" layout): the LLM's
 # stage 0 is on process 0's devices and stage 1 on process 1's, so its pre and post parts
 # and their optimizer state are written by their owners alone (the "owned" item); the
-# vision encoder and the LLM's block stack span both processes (orbax's arrays).
-OWNED_RUN = ["--steps", "6", "--global-batch", "16", "--microbatches", "2"]
+# vision encoder and the LLM's block stack span both processes (orbax's arrays). The runs
+# are those of the `runs` fixture (the same flags): its "colocated" 2 x 4 job is the
+# uninterrupted run, and every run here loads that job's programs, or the single-process
+# "non-colocated-pp" run's, from the compilation cache instead of compiling them again.
 
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_checkpoints_of_stages_held_by_one_process(tmp_path):
-    """Saved by 2 processes at step 3; resumed in the same layout, steps 4-6 equal the
+def test_checkpoints_of_stages_held_by_one_process(runs, tmp_path):
+    """Saved by 2 processes at step 3; resumed in the same layout, steps 4-10 equal the
     uninterrupted 2-process run bit for bit (FP32); resumed by one process in another
     layout (islands, 8 devices), at rtol 1e-5. A truncated chunk of the owned item stops
     both processes with the one-line error (exit 2) and leaves the checkpoint as it was."""
-    ckpt, run = tmp_path / "ckpt", [*OWNED_RUN, *LAYOUTS["colocated"]]
-    first = {
-        "uninterrupted": _launcher(
-            2, 4, "experiments.llava_train", [*run, "--metrics", str(tmp_path / "whole.jsonl")]
-        ),
-        "saving": _launcher(
-            2, 4, "experiments.llava_train",
-            [*run, "--stop-after", "3", "--checkpoint-dir", str(ckpt)],
-        ),
-    }  # fmt: skip
-    for name, proc in first.items():
-        done = _finish(proc, f"the {name} run")
-        assert done.returncode == 0, done.stderr[-3000:]
-    want = [r["loss"] for r in _rows(tmp_path / "whole.jsonl")]
-    assert len(want) == 6
+    ckpt, run = tmp_path / "ckpt", [*TRAIN, *LAYOUTS["colocated"]]
+    saving = _launcher(
+        2, 4, "experiments.llava_train", [*run, "--stop-after", "3", "--checkpoint-dir", str(ckpt)]
+    )
+    done = _finish(saving, "the saving run")
+    assert done.returncode == 0, done.stderr[-3000:]
+    want = _losses(*runs[(2, 4, "colocated")])
     meta = json.loads((ckpt / "3" / "meta" / "metadata").read_text())
     assert "params/llm/pre/table" in meta["owned"], meta.get("owned")
     assert not any(n.startswith("params/vision") for n in meta["owned"]), meta["owned"]
@@ -333,7 +327,7 @@ def test_checkpoints_of_stages_held_by_one_process(tmp_path):
             [*run, "--checkpoint-dir", str(ckpt), "--metrics", str(tmp_path / "same.jsonl")],
         ),
         "other-layout": _popen(
-            ["experiments.llava_train", "--devices", "8", *OWNED_RUN,
+            ["experiments.llava_train", "--devices", "8", *TRAIN,
              *LAYOUTS["non-colocated-pp"], "--checkpoint-dir", str(other),
              "--metrics", str(tmp_path / "other.jsonl")]
         ),
@@ -346,7 +340,7 @@ def test_checkpoints_of_stages_held_by_one_process(tmp_path):
         assert done[name].returncode == 0, done[name].stderr[-3000:]
         assert "resumed from step 3" in done[name].stdout, done[name].stdout[-2000:]
     same = _rows(tmp_path / "same.jsonl")
-    assert [r["step"] for r in same] == [3, 4, 5]
+    assert [r["step"] for r in same] == list(range(3, 10))
     assert [r["loss"] for r in same] == want[3:]  # bit for bit
     moved = _rows(tmp_path / "other.jsonl")
     np.testing.assert_allclose([r["loss"] for r in moved], want[3:], rtol=1e-5)
