@@ -15,7 +15,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from hetjax.meshes import BATCH_AXES
+from hetjax.meshes import BATCH_AXES, FSDP_AXIS
 
 
 def put_global(value: Any, sharding: NamedSharding) -> jax.Array:
@@ -47,8 +47,12 @@ def zero1_sharding(
     if size == 1:
         return sharding
     for i, (entry, n) in enumerate(zip(spec, shape, strict=True)):
-        if entry is None and n % size == 0:
-            spec[i] = axes
+        # The model width names fsdp even where fsdp = 1 (it splits nothing there): such a
+        # dim is as free as an unnamed one, so ZeRO-1 splits the same dims with or without
+        # the fsdp rule.
+        unsplit = entry is None or (entry == FSDP_AXIS and mesh.shape[FSDP_AXIS] == 1)
+        if unsplit and n % size == 0:
+            spec[i] = axes if entry is None else (entry, *axes)
             return NamedSharding(mesh, P(*spec))
     return sharding
 

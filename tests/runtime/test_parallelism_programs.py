@@ -261,7 +261,7 @@ def check_each_rank_got_its_own_positions(got, y, tokens_BxL, mesh) -> int:
     got, cp = got.tokens, mesh.shape["cp"]
     k = got.shape[1] // cp
     dp = mesh.shape["dp"] * mesh.shape["ep"]
-    assert got.sharding.spec == P(("dp", "ep"), "cp")
+    assert got.sharding.spec == P(("dp", "fsdp", "ep"), "cp")
     assert got.sharding.shard_shape(got.shape) == (GLOBAL_BATCH // dp, k, D)
     values = np.asarray(y)[..., 0]
     owner = owner_rank(L, cp)
