@@ -165,9 +165,12 @@ def logical_to_spec(names: LogicalNames, *, stage_mesh: bool) -> PartitionSpec:
 def logical_to_sharding(names: LogicalNames, mesh: Mesh) -> NamedSharding:
     """NamedSharding of an array with logical ``names`` on a module or stage mesh.
 
-    A mesh without a ``"pp"`` axis is treated as a pipeline-stage submesh.
+    A mesh without a ``"pp"`` axis is treated as a pipeline-stage submesh; one without an
+    ``"fsdp"`` axis (a user's own, built with the axes before fsdp) as one with fsdp = 1.
     """
     spec = logical_to_spec(names, stage_mesh="pp" not in mesh.axis_names)
+    if FSDP_AXIS not in mesh.axis_names:
+        spec = gathered_spec(spec)
     return NamedSharding(mesh, spec)
 
 

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import re
 
+import jax
+import numpy as np
 import pytest
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from experiments import flags
@@ -12,6 +15,7 @@ from hetjax.meshes import (
     Layout,
     LayoutError,
     gathered_spec,
+    logical_to_sharding,
     logical_to_spec,
     place_modules,
     validate_batch,
@@ -84,11 +88,14 @@ def test_layout_flag_takes_fsdp():
 
 
 def jax_devices(n: int):
-    import jax
-
     return jax.devices()[:n]
 
 
 def tiny_graph(llm: str):
     model = MLLM(get_preset("tiny"))  # LLM width 64
     return model.train_graph({"vision": Layout(dp=8), "llm": Layout.parse(llm)})
+
+
+def test_a_mesh_without_fsdp_reads_as_fsdp_1():
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("dp", "tp"))
+    assert logical_to_sharding(("embed", "mlp"), mesh).spec == P(None, "tp")
