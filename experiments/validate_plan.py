@@ -198,12 +198,16 @@ def measure_rows(
     return out
 
 
+def _sign(x: float) -> int:
+    return int(x > 0) - int(x < 0)
+
+
 def kendall_tau(a: list[float], b: list[float]) -> float:
     """Kendall's tau-a between two orderings of the same items (1: the same order)."""
     n, s = len(a), 0
     for i in range(n):
         for j in range(i + 1, n):
-            s += ((a[i] > a[j]) - (a[i] < a[j])) * ((b[i] > b[j]) - (b[i] < b[j]))
+            s += _sign(a[i] - a[j]) * _sign(b[i] - b[j])
     return 2 * s / (n * (n - 1)) if n > 1 else 1.0
 
 

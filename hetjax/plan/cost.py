@@ -11,14 +11,14 @@ the runtime walks. With ``simulate=False`` the makespan is the closed form of a 
 (``sum(t) + (M - 1) max(t)``, exact for the schedules above with buffered sends), which
 the planner uses to rank candidates before simulating the best.
 
-Host work is priced by calls: hetjax's executor dispatches one jitted program per
-forward and backward of a stage and microbatch (none for the loss stage's forward, which
-runs inside its backward), one transfer per stage edge crossed each way, and three
-programs per step per trained stage (zeroed accumulators, the gradient reduction, the
-update); each costs ``dispatch_us`` (:func:`calls`). On devices that share one pool of
-cores (``shared_compute``: JAX's simulated CPU devices) nothing runs beside anything
-else: the step is the host's calls plus every device's work spread over all the devices,
-and pipeline bubbles cost nothing (an idle device's cores serve the busy ones).
+Host work is priced by calls (:func:`calls`, checked against the executor by
+``experiments.validate_plan``), ``dispatch_us`` each: a program per forward and backward
+of a stage and microbatch (none for the loss stage's forward, which runs inside its
+backward), a transfer per stage edge crossed each way, and per step and stage, frozen or
+not, the zeroed accumulators (not with one microbatch), the reduction and the update.
+On devices sharing one pool of cores (``shared_compute``: simulated CPU devices) the
+step is the host's calls plus every device's work spread over all the devices; a
+pipeline bubble costs nothing (an idle device's cores serve the busy ones).
 """
 
 from __future__ import annotations
@@ -270,15 +270,14 @@ def llm_stages(cfg: Any, plan: Plan, work: Workload, hw: HardwareProfile) -> lis
 
 def calls(plan: Plan, work: Workload, vis: list[StageCost], llm: list[StageCost]) -> list:
     """Per stage (vision's, then the LLM's): host calls per microbatch in the forward and
-    in the backward, and per step, as hetjax's executor makes them (see the module doc).
-    The colocated encoder runs its fused chunks: its per-microbatch calls are scaled."""
+    backward, and per step (see the module doc); a colocated encoder's scaled to its chunks."""
     chunks = encoder_chunks(plan, work.global_batch * work.images_per_sample)
     stages, out = vis + llm, []
     for i, st in enumerate(stages):
         fwd = 0 if st.loss else 2  # the program, the send of its output
         bwd = (1 + (i > 0 and stages[i - 1].backward)) * st.backward  # + the gradient sent back
         scale = chunks / plan.microbatches if i < len(vis) else 1.0
-        out.append((fwd * scale, bwd * scale, 3 * st.trains))
+        out.append((fwd * scale, bwd * scale, 2 + (plan.microbatches > 1)))
     return out
 
 
@@ -315,7 +314,8 @@ def assemble(
         makespan = _chain(t, recv, m)
     if simulate:
         makespan = _simulate(plan, stages, recv, edge)
-    update = lambda g: sum(s.reduce_s + s.optimizer_s + 3 * s.trains * host for s in g)  # noqa: E731
+    n = 2 + (m > 1)  # step programs per stage (see calls)
+    update = lambda g: sum(s.reduce_s + s.optimizer_s + n * host for s in g)  # noqa: E731
     step = makespan + max(update(g) for g in _device_groups(plan, vis, llm))
     return _estimate(cfg, plan, work, hw, stages, step, simulated=simulate)
 
