@@ -57,6 +57,7 @@ def tok(llava_dir):
 # first lets the many short files fill in at the end: otherwise a long file drawn last
 # keeps one worker busy while the other idles (``--durations`` on the 2-core machine).
 HEAVY_FIRST = (
+    "distributed/test_train_multiprocess.py",
     "checkpoint/test_checkpoint.py",
     "checkpoint/test_cli.py",
     "runtime/test_executor_parity.py",
@@ -74,6 +75,8 @@ HEAVY_FIRST = (
     "test_llava_train_cli.py",
     "models/test_qwen_train.py",
     "runtime/test_bench_checkpoint.py",
+    "distributed/test_own_compiles.py",
+    "distributed/test_observers.py",
 )
 
 
