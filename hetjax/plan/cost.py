@@ -298,12 +298,10 @@ def assemble(
     per_call = calls(plan, work, vis, llm)
     if hw.shared_compute:
         return _shared(cfg, plan, work, hw, vis + llm, per_call, edge)
-    stages = [
-        dataclasses.replace(s, forward_s=s.forward_s + f * host, backward_s=s.backward_s + b * host)
-        for s, (f, b, _) in zip(vis + llm, per_call, strict=True)
-    ]
-    vis, llm = stages[: len(vis)], stages[len(vis) :]
-    t = [s.forward_s + s.backward_s for s in stages]
+    stages = vis + llm
+    fwd = [s.forward_s + f * host for s, (f, _, _) in zip(stages, per_call, strict=True)]
+    bwd = [s.backward_s + b * host for s, (_, b, _) in zip(stages, per_call, strict=True)]
+    t = [f + b for f, b in zip(fwd, bwd, strict=True)]
     recv = [s.recv_s for s in stages]
     if plan.mode == "colocated":
         makespan = m * (t[0] + edge) + _chain(t[1:], recv[1:], m)
@@ -313,7 +311,7 @@ def assemble(
         recv[len(vis)] = edge
         makespan = _chain(t, recv, m)
     if simulate:
-        makespan = _simulate(plan, stages, recv, edge)
+        makespan = _simulate(plan, fwd, bwd, recv, edge)
     n = 2 + (m > 1)  # step programs per stage (see calls)
     update = lambda g: sum(s.reduce_s + s.optimizer_s + n * host for s in g)  # noqa: E731
     step = makespan + max(update(g) for g in _device_groups(plan, vis, llm))
@@ -385,12 +383,12 @@ def _device_groups(plan: Plan, vis: list[StageCost], llm: list[StageCost]) -> li
     return [[s] for s in vis + llm]
 
 
-def _simulate(plan: Plan, stages: list[StageCost], recv: list[float], edge: float) -> float:
+def _simulate(plan: Plan, fwd: list, bwd: list, recv: list[float], edge: float) -> float:
     sched = _schedule(plan)
     table: dict = {}
-    for gid, st in enumerate(stages):
-        table[("F", gid)] = st.forward_s
-        table[("B", gid)] = st.backward_s
+    for gid, (f, b) in enumerate(zip(fwd, bwd, strict=True)):
+        table[("F", gid)] = f
+        table[("B", gid)] = b
         table[("RECV_F", gid)] = recv[gid]
         if gid > 0:
             table[("RECV_B", gid - 1)] = recv[gid]
