@@ -6,7 +6,8 @@
 CPU (the default): times small programs on the simulated devices, all of them at once
 (they share the host's cores, as in training), median of ``REPS`` runs after a warm-up:
 
-- matmuls ``[tokens, w] @ [w, w]`` per device at ``WIDTHS``: ``R w / (w + k)``
+- a dense layer's forward and backward (``[tokens, w] @ [w, w]``, its input and weight
+  gradients: the matmul shapes training runs) per device at ``WIDTHS``: ``R w / (w + k)``
   (:func:`hetjax.plan.calibrate.fit_matmul`) gives ``peak_tflops`` and ``matmul_knee``;
 - an element-wise ``x * a + b`` at ``SIZES`` elements per device: the line through
   (bytes read and written, seconds) gives ``hbm_tbps``;
@@ -80,7 +81,9 @@ def measure(devices: list) -> dict[str, list]:
     n = len(devices)
     mesh = Mesh(np.asarray(devices), ("d",))
     put = lambda shape: jax.device_put(jnp.ones(shape), NamedSharding(mesh, P("d")))  # noqa: E731
-    matmul = jax.jit(lambda a, b: jnp.einsum("dtw,dwv->dtv", a, b))
+    # forward and backward of a dense layer, as training runs it: y = x W, dx, dW
+    dense = lambda a, b: jnp.sum(jnp.einsum("dtw,dwv->dtv", a, b) ** 2)  # noqa: E731
+    matmul = jax.jit(jax.grad(dense, argnums=(0, 1)))
     axpy = jax.jit(lambda x: x * 1.5 + 0.5)
     total = jax.jit(
         jax.shard_map(lambda x: jax.lax.psum(x, "d"), mesh=mesh, in_specs=P("d"), out_specs=P("d"))
@@ -88,7 +91,7 @@ def measure(devices: list) -> dict[str, list]:
     out: dict[str, list] = {"matmul": [], "elementwise": [], "all_reduce": []}
     for w in WIDTHS:
         t = _median_time(matmul, put((n, TOKENS, w)), put((n, w, w)))
-        out["matmul"].append((float(w), 2.0 * TOKENS * w * w, t))
+        out["matmul"].append((float(w), 6.0 * TOKENS * w * w, t))
     for size in SIZES:
         x = put((n, size))
         out["elementwise"].append((2.0 * 4 * size, _median_time(axpy, x)))
