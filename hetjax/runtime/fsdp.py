@@ -28,6 +28,20 @@ Inside a stage run per cp rank (a ``shard_map`` manual over dp, fsdp and cp:
 shard and the same two steps are explicit collectives: ``all_gather`` and
 ``psum_scatter`` over fsdp.
 
+**XLA:CPU: one order of collectives on every device.** XLA:CPU runs a program's
+independent branches concurrently and in no fixed order per device, on a thread pool as
+large as the host's cores; a collective blocks its thread until its group's other
+devices arrive. With fsdp a layer has collectives that depend on nothing but the
+parameters (its gathers, a later part's gathers, the reduce-scatters beside the input
+cotangent's tensor-parallel all-reduce), so two devices can enter two different
+collectives first and wait on each other for ever (seen: every fsdp parity file hung
+now and then on the 2-core machine, more often with programs from the warm compile
+cache). On CPU meshes :meth:`FsdpGather.call` therefore chains them: the gathers start
+once the piece's inputs are ready, one after another, the piece computes once all are
+done, and in the backward the reduce-scatters follow the input cotangent one by one
+(``optimization_barrier``, :func:`_after`). GPU streams run a device's collectives in
+program order, so there the chain is off and XLA may overlap a gather with compute.
+
 The batch is split over fsdp as over dp (``"batch" -> ("dp", "fsdp", "ep")``): each
 fsdp rank runs its own rows with the whole layer, and the reduce-scatter sums the ranks'
 partial weight gradients. Unlike dp, fsdp ranks are not separate gradient replicas
@@ -65,6 +79,9 @@ class FsdpGather:
             lambda names: logical_to_spec(names, stage_mesh=True), axes, is_leaf=is_logical_names
         )
 
+        # XLA:CPU runs independent collectives in any order per device (module docstring).
+        self.ordered = mesh.devices.flat[0].platform == "cpu"
+
     @staticmethod
     def active(mesh: Mesh) -> bool:
         """Whether ``mesh`` splits parameters at all (an ``fsdp`` axis of size > 1)."""
@@ -74,53 +91,95 @@ class FsdpGather:
         """``fn(gathered params, *args)``, differentiable in ``params`` and ``args``."""
         return _gathered_call(self, fn, params, args)
 
-    def gather(self, params: Any) -> Any:
+    def gather(self, params: Any, after: Any = None) -> Any:
         """``params`` with every fsdp-split leaf gathered: constrained to its gathered
         sharding, or inside a region manual over fsdp (a stage run per cp rank,
-        :mod:`hetjax.runtime.replicas`) all-gathered explicitly."""
+        :mod:`hetjax.runtime.replicas`) all-gathered explicitly. On CPU the gathers
+        start once ``after`` is ready, one after another."""
         manual = functools.partial(jax.lax.all_gather, axis_name=FSDP_AXIS, tiled=True)
-        return self._each(params, gathered_spec, lambda x, dim: manual(x, axis=dim))
+        return self._each(
+            params, lambda s: s, gathered_spec, lambda x, dim: manual(x, axis=dim), after
+        )
 
-    def scatter(self, grads: Any) -> Any:
+    def scatter(self, grads: Any, after: Any = None) -> Any:
         """Gradients of the gathered ``params`` back on the stored split: a constraint,
-        or (manual over fsdp) an explicit reduce-scatter."""
+        or (manual over fsdp) an explicit reduce-scatter; on CPU after ``after``, one
+        after another."""
         manual = functools.partial(jax.lax.psum_scatter, axis_name=FSDP_AXIS, tiled=True)
-        return self._each(grads, lambda s: s, lambda g, dim: manual(g, scatter_dimension=dim))
+        return self._each(
+            grads,
+            gathered_spec,
+            lambda s: s,
+            lambda g, dim: manual(g, scatter_dimension=dim),
+            after,
+        )
 
-    def _each(self, tree: Any, spec_of: Callable, manual: Callable) -> Any:
+    def _each(
+        self, tree: Any, source_of: Callable, spec_of: Callable, manual: Callable, after: Any
+    ) -> Any:
         here = jax.sharding.get_abstract_mesh()
         explicit = FSDP_AXIS in here.manual_axes
         # Inside a shard_map a constraint names the region's own abstract mesh.
         mesh = here if here.manual_axes else self.mesh
 
+        last = [after]  # the previous collective's output (CPU: the next one waits for it)
+
         def leaf(spec: PartitionSpec, x: jax.Array) -> jax.Array:
             dims = [i for i, e in enumerate(spec) if FSDP_AXIS in jax.tree.leaves(e)]
             if not dims:
                 return x
+            if self.ordered:
+                x = _after(x, last[0])
+                if not explicit:  # pinned, so that the partitioner keeps the collective here
+                    x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, source_of(spec)))
             if explicit:
-                return manual(x, dims[0])
-            return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec_of(spec)))
+                y = manual(x, dims[0])
+            else:
+                y = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec_of(spec)))
+            last[0] = y
+            return y
 
         return jax.tree.map(leaf, self.specs, tree, is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+    def then(self, x: Any, after: Any) -> Any:
+        """``x``, used only once ``after`` is ready (on CPU; as it is elsewhere)."""
+        return _after(x, after) if self.ordered else x
+
+
+def _after(x: Any, after: Any) -> Any:
+    """``x`` that no computation reads before ``after`` is computed: an
+    ``optimization_barrier`` over both (XLA schedules nothing that reads one of its
+    outputs before all its inputs are ready)."""
+    xs, tree = jax.tree.flatten(x)
+    arrays = [i for i, v in enumerate(xs) if isinstance(v, jax.Array)]
+    deps = [v for v in jax.tree.leaves(after) if isinstance(v, jax.Array)]
+    if not arrays or not deps:
+        return x
+    out, _ = jax.lax.optimization_barrier(([xs[i] for i in arrays], deps))
+    for i, v in zip(arrays, out, strict=True):
+        xs[i] = v
+    return jax.tree.unflatten(tree, xs)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _gathered_call(gather: FsdpGather, fn: Callable, params: Any, args: tuple) -> Any:
-    return fn(gather.gather(params), *args)
+    whole = gather.gather(params, after=args)
+    return fn(whole, *gather.then(args, whole))
 
 
 def _gathered_call_fwd(gather, fn, params, args):
-    whole = gather.gather(params)
-    out, vjp = jax.vjp(lambda w, a: fn(w, *a), whole, args)
+    whole = gather.gather(params, after=args)
+    out, vjp = jax.vjp(lambda w, a: fn(w, *a), whole, gather.then(args, whole))
     return out, (Residuals.of(vjp, jax.tree.leaves(whole)), params)
 
 
 def _gathered_call_bwd(gather, fn, saved, g):
     del fn
     residuals, params = saved
-    whole = gather.gather(params)  # gathered again, not kept from the forward
-    g_whole, g_args = residuals.vjp(jax.tree.leaves(whole))(g)
-    return gather.scatter(g_whole), g_args
+    whole = gather.gather(params, after=g)  # gathered again, not kept from the forward
+    g_whole, g_args = residuals.vjp(jax.tree.leaves(whole))(gather.then(g, whole))
+    g_params = gather.scatter(g_whole, after=g_args)
+    return g_params, gather.then(g_args, g_params)
 
 
 _gathered_call.defvjp(_gathered_call_fwd, _gathered_call_bwd)

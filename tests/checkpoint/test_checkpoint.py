@@ -3,7 +3,8 @@
 One uninterrupted 8-step run of ``tiny`` (colocated ``vision:dp=8 / llm:dp=2,tp=2,pp=2``)
 is the reference; a second run saves at step 4 and every restore below continues it for
 steps 5-8: in the same layout bit for bit, in other layouts (non-colocated islands with
-another tp/pp on 6 devices; a cp=2 LLM with ZeRO-1) and in the single-device reference
+another tp/pp on 6 devices; a cp=2 LLM with ZeRO-1; fsdp in both modules, whose
+parameters and moments are then split over fsdp) and in the single-device reference
 trainer at rtol 1e-5 (the float reordering of a different layout).
 """
 
@@ -90,8 +91,9 @@ def test_same_layout_resumes_bit_for_bit(saved):
         ),
         ({"vision": "dp=8", "llm": "dp=2,cp=2,tp=2"}, {}, {"zero1": True}, 8),
         ({"vision": "dp=4,tp=2", "llm": "dp=4,pp=2"}, {"mode": "homogeneous"}, {}, 8),
+        ({"vision": "dp=2,fsdp=4", "llm": "fsdp=2,tp=2,pp=2"}, {}, {}, 8),
     ],
-    ids=["noncolocated-6dev-tp2pp2", "cp2-zero1", "homogeneous-dp4pp2"],
+    ids=["noncolocated-6dev-tp2pp2", "cp2-zero1", "homogeneous-dp4pp2", "fsdp"],
 )
 def test_resumes_into_another_layout(saved, layouts, kwargs, options, n):
     losses, directory = saved

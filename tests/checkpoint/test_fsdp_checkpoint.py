@@ -1,11 +1,6 @@
-"""A checkpoint saved under fsdp resumes without it: the logical format holds every
-array whole, whatever split it was saved from.
-
-The other way round (a checkpoint without fsdp restored into ``vision dp=2,fsdp=4 / llm
-fsdp=2,tp=2,pp=2``) passed (rtol 1e-5) with a cold compilation cache, but its first step
-HANGS in ``InFlight.wait`` when the programs load from the warm persistent cache the test
-suite keeps (``.pytest_cache/jax``), reproducibly; it is not in the suite until that is
-understood (issue 31 report)."""
+"""A checkpoint saved under fsdp resumes without it (the other way round is a row of
+``test_checkpoint.py``'s ``test_resumes_into_another_layout``): the logical format holds
+every array whole, whatever split it was saved from."""
 
 from __future__ import annotations
 
