@@ -175,26 +175,19 @@ def state_bytes(ex: Any) -> int:
     """Parameters + gradient accumulators + optimizer state on the busiest device."""
     import jax
 
-    from hetjax.inspect.memory import array_bytes_per_device
+    from hetjax.inspect.memory import live_bytes_per_device
 
-    per: dict[Any, int] = {}
-
-    def add(shape: tuple, dtype: Any, sharding: Any) -> None:
-        shard = math.prod(sharding.shard_shape(shape)) * dtype.itemsize
-        for d in sharding.device_set:
-            per[d] = per.get(d, 0) + shard
-
+    held = []
     for key, prog in ex.programs.items():
-        for a in jax.tree.leaves((ex.state.params[key], ex.state.opt_state[key])):
-            for d, n in array_bytes_per_device(a).items():
-                per[d] = per.get(d, 0) + n
-        if prog.backward:
-            acc = prog.zeros.eval_shape()
-            for s, sharding in zip(
-                jax.tree.leaves(acc), jax.tree.leaves(prog.acc_shardings), strict=True
-            ):
-                add(s.shape, s.dtype, sharding)
-    return max(per.values())
+        held += jax.tree.leaves((ex.state.params[key], ex.state.opt_state[key]))
+        if prog.backward:  # accumulators by their shapes and shardings (none are live now)
+            acc = jax.tree.leaves(prog.zeros.eval_shape())
+            shardings = jax.tree.leaves(prog.acc_shardings)
+            held += [
+                jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding)
+                for s, sharding in zip(acc, shardings, strict=True)
+            ]
+    return max(live_bytes_per_device(held).values())
 
 
 def fsdp_bytes(rec: Any, ex: Any) -> int:

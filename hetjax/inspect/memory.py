@@ -28,6 +28,17 @@ def array_bytes_per_device(array: jax.Array) -> dict[Any, int]:
     return {d: shard for d in array.sharding.device_set}
 
 
+def shard_bytes_per_device(arrays: Iterable[jax.Array]) -> dict[Any, int]:
+    """Bytes of ``arrays``' addressable shards per device: what the devices really hold,
+    read from the buffers rather than derived from the shardings (as
+    :func:`live_bytes_per_device` does)."""
+    out: dict[Any, int] = defaultdict(int)
+    for a in arrays:
+        for shard in a.addressable_shards:
+            out[shard.device] += shard.data.nbytes
+    return dict(out)
+
+
 def live_bytes_per_device(arrays: Iterable[jax.Array] | None = None) -> dict[Any, int]:
     """Bytes of live arrays per device.
 

@@ -185,20 +185,11 @@ def _gathered_call_bwd(gather, fn, saved, g):
 _gathered_call.defvjp(_gathered_call_fwd, _gathered_call_bwd)
 
 
-def bytes_per_device(tree: Any) -> int:
-    """The most bytes any one device holds of ``tree``'s arrays, measured from their
-    addressable shards (what a run really keeps, whatever the shardings say)."""
-    held: dict[Any, int] = {}
-    for a in jax.tree.leaves(tree):
-        for shard in getattr(a, "addressable_shards", ()):
-            held[shard.device] = held.get(shard.device, 0) + shard.data.nbytes
-    return max(held.values(), default=0)
-
-
 def expected_bytes_per_device(tree: Any) -> int:
-    """What :func:`bytes_per_device` should be under fsdp: each leaf's bytes per device
-    with its sharding less fsdp (as without it), divided by the fsdp degree where the
-    leaf is split over fsdp (the largest per-device share over the leaves' devices)."""
+    """What :func:`hetjax.inspect.memory.shard_bytes_per_device` should be under fsdp:
+    each leaf's bytes per device with its sharding less fsdp (as without it), divided by
+    the fsdp degree where the leaf is split over fsdp (the largest per-device share over
+    the leaves' devices)."""
     total = 0
     for a in jax.tree.leaves(tree):
         sharding = getattr(a, "sharding", None)
