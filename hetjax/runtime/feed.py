@@ -10,7 +10,8 @@ into a ``cp > 1`` module that merges tokens into placeholders it computes, once 
 step, which tokens each cp rank receives (:mod:`hetjax.ops.token_routing`).
 :func:`absent_modules` says which encoders a batch gives nothing to do (no image), so the
 step leaves them out (:func:`hetjax.schedules.without_modules`). A rebalanced encoder's
-inputs are laid out in its step's balanced slot order (:mod:`hetjax.runtime.rebalance`).
+inputs and block inputs (on every stage) are laid out in its step's balanced slot order,
+dealt by the module's own cost (:mod:`hetjax.runtime.rebalance`).
 """
 
 from __future__ import annotations
@@ -68,10 +69,11 @@ class Feed:
     def inputs(self, prog: StageProgram, m: int) -> dict[str, jax.Array]:
         """Microbatch ``m`` of the batch keys stage ``prog`` reads, on its mesh."""
         out = {}
-        balanced = self.balanced(prog.spec.name, prog.mesh) if prog.first else None
+        balanced = self.balanced(prog.spec.name, prog.mesh)
+        moved = (*prog.spec.inputs, *prog.spec.block_inputs)  # every stage: block inputs
         for k in prog.batch_keys:
             value = self.batch[k][m * self.size : (m + 1) * self.size]
-            if balanced is not None and k in prog.spec.inputs:
+            if balanced is not None and k in moved:
                 value = balanced.inputs(value, m)
             if k in prog.spec.seq_inputs and prog.spec.layout.cp > 1:  # stored load-balanced
                 value = value[:, zigzag_permutation(value.shape[1], prog.spec.layout.cp)]

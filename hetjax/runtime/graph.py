@@ -35,7 +35,9 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+
+import numpy as np
 
 from hetjax.meshes import Layout, LayoutError, validate_fsdp
 from hetjax.modules import StagedModule
@@ -67,6 +69,9 @@ class ModuleSpec:
     frozen: frozenset[str] = frozenset()  # names of parts not trained (no gradient,
     # optimizer state or DP reduction)
     recompute: Recompute = DEFAULT_RECOMPUTE  # activation policy: none, selective, full
+    unit_cost: Callable[[Mapping[str, np.ndarray]], np.ndarray] | None = None  # a step's
+    # host batch -> each input slot's cost [B * input_slots] that rebalance deals by (the
+    # Qwen tower's patches per row); None: 1 per nonzero slot (an image)
 
     def __post_init__(self):
         if not self.parts:

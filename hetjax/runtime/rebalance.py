@@ -24,10 +24,12 @@ Values never change, only where each image is encoded: the losses equal the unba
 run's up to the order in which the encoder's parameter gradients are summed.
 
 A unit is one input slot (``ModuleSpec.input_slots`` per row; the output's dim 1 is that
-many equal blocks in slot order). It costs 1 when its input is nonzero (probed:
-:func:`unit_costs`): the loaders leave unused slots zero (:mod:`models.llava.rows`).
-Correctness never depends on the cost (every slot moves, padding included), only the
-balance does.
+many equal blocks in slot order); its inputs and its block inputs (``ModuleSpec.inputs``,
+``block_inputs``: per-patch positions, window ids) move with it. Its cost is the
+module's own (``ModuleSpec.unit_cost``: the Qwen tower's patches per row), by default 1
+when its input is nonzero (probed: :func:`unit_costs`): the loaders leave unused slots
+zero (:mod:`models.llava.rows`). Correctness never depends on the cost (every slot
+moves, padding included), only the balance does.
 Single-process only: a process reads only its own rows of the batch.
 
 Shape key: B rows of a microbatch, K slots per row, U = B*K units, R batch ranks,
@@ -43,6 +45,7 @@ from collections.abc import Mapping, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+import scipy.optimize  # jax's own dependency
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hetjax.meshes import LayoutError
@@ -87,9 +90,12 @@ def unit_costs(inputs: Sequence[np.ndarray], slots: int, *, probes: int = 1024) 
 def balanced_order(costs_U: np.ndarray, ranks: int) -> np.ndarray:
     """``order[U]``: the unit that encoder position ``p`` holds (rank ``p // u``).
 
-    Every rank gets ``floor`` or ``ceil`` of the real units' share (the ranks that hold
-    the most already get the ``ceil`` s), keeping as many units where they are as that
-    allows, so the all-to-all moves few."""
+    Unit costs (an image each): every rank gets ``floor`` or ``ceil`` of the real units'
+    share (the ranks that hold the most already get the ``ceil`` s), keeping as many
+    units where they are as that allows, so the all-to-all moves few. Other costs
+    (patches): :func:`weighted_order`."""
+    if np.any(costs_U > 1):
+        return weighted_order(costs_U, ranks)
     u = len(costs_U) // ranks
     rank_of = np.arange(len(costs_U)) // u
     real = costs_U > 0
@@ -119,6 +125,44 @@ def balanced_order(costs_U: np.ndarray, ranks: int) -> np.ndarray:
         kept[r] += spare_pad[:need]
         spare_pad = spare_pad[need:]
     return np.concatenate([np.sort(k) for k in kept]).astype(np.int64)
+
+
+def weighted_order(costs_U: np.ndarray, ranks: int) -> np.ndarray:
+    """:func:`balanced_order` of units with unequal costs, ``u`` units per rank.
+
+    Largest cost first, each real unit goes to the least loaded rank with room (its own
+    on a tie): within 4/3 of the best busiest rank (Graham's LPT bound). The bins are
+    then given to the ranks that already hold most of their units (an assignment
+    problem), and padding stays where there is room, so the all-to-all moves few."""
+    n = len(costs_U)
+    u = n // ranks
+    home = np.arange(n) // u
+    load, count = np.zeros(ranks), np.zeros(ranks, np.int64)
+    bin_of = np.full(n, -1)
+    for i in np.argsort(-costs_U, kind="stable"):
+        if costs_U[i] <= 0:
+            break
+        room = np.flatnonzero(count < u)
+        best = room[load[room] == load[room].min()]
+        b = home[i] if home[i] in best else best[0]
+        bin_of[i], load[b], count[b] = b, load[b] + costs_U[i], count[b] + 1
+    real = bin_of >= 0
+    kept = np.zeros((ranks, ranks), np.int64)
+    np.add.at(kept, (bin_of[real], home[real]), 1)
+    _, rank_of_bin = scipy.optimize.linear_sum_assignment(kept, maximize=True)
+    rank_of = np.full(n, -1)
+    rank_of[real] = rank_of_bin[bin_of[real]]
+    room = u - np.bincount(rank_of[real], minlength=ranks)
+    pads = np.flatnonzero(~real)
+    for i in pads:  # padding first at home ...
+        if room[home[i]] > 0:
+            rank_of[i], room[home[i]] = home[i], room[home[i]] - 1
+    for i in pads[rank_of[pads] < 0]:  # ... the rest where room is left
+        r = int(np.flatnonzero(room > 0)[0])
+        rank_of[i], room[r] = r, room[r] - 1
+    order = np.argsort(rank_of, kind="stable")
+    as_is = costs_U.reshape(ranks, u).sum(1).max()
+    return np.arange(n) if costs_U[order].reshape(ranks, u).sum(1).max() >= as_is else order
 
 
 def imbalance(
@@ -207,24 +251,46 @@ class Rebalance:
     """One step's balanced order of one module's units, per microbatch.
 
     Args:
-        spec: the module (its ``inputs`` and ``input_slots``).
+        spec: the module (its ``inputs``, ``input_slots`` and ``unit_cost``).
         batch: the step's global batch.
         microbatches: microbatches per step.
         ranks: the module's batch ranks (:func:`batch_ranks`).
+
+    Raises:
+        ValueError: the module's ``unit_cost`` gives no ``[B * K]`` costs (one line).
     """
 
     def __init__(
         self, spec: ModuleSpec, batch: Mapping[str, np.ndarray], microbatches: int, ranks: int
     ):
-        self.slots, self.ranks = spec.input_slots, ranks
-        costs = unit_costs([batch[k] for k in spec.inputs], self.slots)
+        self.name, self.slots, self.ranks = spec.name, spec.input_slots, ranks
+        units = next(iter(batch.values())).shape[0] * self.slots
+        if spec.unit_cost is None:
+            costs = unit_costs([batch[k] for k in spec.inputs], self.slots)
+        else:
+            costs = np.asarray(spec.unit_cost(batch))
+            if costs.shape != (units,) or np.any(costs < 0):
+                raise ValueError(
+                    f"{spec.name}: unit_cost gave costs of shape {costs.shape}; it must give "
+                    f"one cost >= 0 per input slot of the batch, shape ({units},)"
+                )
         self.costs_MxU = costs.reshape(microbatches, -1)  # rows split over ranks: plan_run
         self.orders = [balanced_order(c, ranks) for c in self.costs_MxU]
         self._plans: dict[tuple[int, str], tuple[jax.Array, jax.Array]] = {}
         self.moved_bytes = 0
 
     def inputs(self, value: np.ndarray, m: int) -> np.ndarray:
-        """Microbatch ``m``'s rows of an input, its slots in the balanced order."""
+        """Microbatch ``m``'s rows of an input or block input (``[b, K, ...]``, or
+        ``[b, ...]`` when ``K == 1``), its slots in the balanced order.
+
+        Raises:
+            ValueError: a block input with no dim 1 of ``K`` slots (one line).
+        """
+        if self.slots > 1 and (value.ndim < 2 or value.shape[1] != self.slots):
+            raise ValueError(
+                f"{self.name}: an input of shape {value.shape} cannot move with its "
+                f"{self.slots} slots per row; give it dim 1 of {self.slots} (one per slot)"
+            )
         units = value.reshape(value.shape[0] * self.slots, *value.shape[1 + (self.slots > 1) :])
         return units[self.orders[m]].reshape(value.shape)
 

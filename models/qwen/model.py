@@ -30,6 +30,7 @@ from models.config import MLLMConfig
 from models.mllm import MLLM, PACKED_KEYS
 
 from .config import QwenVisionConfig
+from .flops import row_patches
 from .llm import make_qwen_llm
 from .vision import VISION_KEYS, make_merger, make_vision
 
@@ -168,7 +169,8 @@ class QwenVL:
         """The tower (with the merger) and the LLM, each with its layout.
 
         The tower reads ``patches`` and, in every block, the patches' positions and
-        frame / window segment ids (split over dp with the rows); the LLM reads the mRoPE
+        frame / window segment ids (split over dp with the rows; ``rebalance`` deals the
+        rows by their real patches); the LLM reads the mRoPE
         positions in every block, a sequence input like the tokens (under cp stored
         zigzag and split with them). The merged tokens fill the LLM's placeholders in
         order (under cp each rank receives those of the positions it stores); a row's
@@ -181,6 +183,7 @@ class QwenVL:
             layout=layouts["vision"],
             inputs=(PATCHES,),
             block_inputs=VISION_KEYS,
+            unit_cost=row_patches,  # rebalance deals rows by their real patches
         )
         link = Link("vision", "llm", "image")
         llm = ModuleSpec(

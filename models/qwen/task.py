@@ -109,13 +109,6 @@ class QwenTask(LlavaTask):
                 "parallel.layouts=auto: the planner does not cost the Qwen2.5-VL tower yet; "
                 "give each module's layout (vision and llm)"
             )
-        if config.parallel.rebalanced:
-            raise ValueError(
-                f"parallel.rebalance={config.parallel.rebalance}: the Qwen2.5-VL tower's rows "
-                "carry per-block patch positions and window/frame ids that the rebalance does "
-                "not move with the patches; drop parallel.rebalance and give data.balance "
-                "(record files: rows ordered by patches for the tower's ranks)"
-            )
         preset = preset or (model_config(m.init_from) if m.init_from else get_preset(m.preset))
         if m.vocab_size is not None:
             llm = dataclasses.replace(preset.llm, vocab=m.vocab_size)

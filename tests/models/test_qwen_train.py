@@ -7,8 +7,10 @@ parallel, non-colocated with the tower pipelined over its periods (its per-block
 positions and window/frame ids on every stage), the LLM with cp=2 (the merged
 tokens routed to the cp rank of their placeholders, the mRoPE positions split with the
 tokens), the tower with cp=2 (its patches split over cp, window and frame attention a
-non-causal segment-masked ring) and the homogeneous baseline with cp=2. Then the entry
-point's own run and its one-line errors.
+non-causal segment-masked ring), the homogeneous baseline with cp=2, and the pipelined
+tower's rows dealt over its ranks by real patches (``rebalance``, the rows' positions and
+window/frame ids moving with them on both stages). Then the entry point's own run and its
+one-line errors.
 """
 
 from __future__ import annotations
@@ -82,6 +84,17 @@ def qwen_reference():
             vision="dp=2,cp=2,tp=2",
             llm="dp=2,cp=2,tp=2",
         ),
+        # rows dealt to the tower's 2 ranks by real patches (2 rows each per microbatch),
+        # their positions and window/frame ids with them on both of its stages
+        case(
+            "qwen2.5-vl-tiny",
+            "non-colocated",
+            2,
+            id="islands-vision-pp2-rebalance",
+            rebalance=("vision",),
+            vision="dp=2,pp=2",
+            llm="dp=2,tp=2",
+        ),
         # across islands the tokens cross split over cp, then one all-to-all to their owners
         case(
             "qwen2.5-vl-tiny",
@@ -98,6 +111,39 @@ def test_layouts_match_one_device(c, qwen_reference):
     # cp: the merged tokens travel routed to their placeholders' ranks (homogeneous: the
     # tower already has the LLM's layout, its tokens arrive whole per cp rank)
     assert bool(ex.plan.routed) == (c.parsed["llm"].cp > 1 and c.mode != "homogeneous")
+
+
+def test_rebalance_deals_the_towers_rows_by_patches():
+    """On the mixed image sizes of the synthetic data, ``rebalance`` weighs a row by its
+    real patches (not its images): the busiest of the tower's ranks holds fewer patches
+    than in the rows' order, and each row's positions and frame/window ids move with
+    its patches."""
+    from hetjax import Layout
+    from hetjax.runtime.rebalance import Rebalance
+    from models.qwen.flops import row_patches
+
+    model = QwenVL(get_preset("qwen2.5-vl-tiny"))
+    spec = model.train_graph({"vision": Layout(dp=2), "llm": Layout(dp=2)}).module("vision")
+    data = SyntheticQwen(
+        QwenSyntheticConfig(model.config.vision, SEQ, model.config.image_token_id, 64, seed=0)
+    )
+    before = after = 0.0
+    for step in range(4):
+        batch = data.batch(step, 16)
+        patches = row_patches(batch)
+        assert len(set(patches.tolist())) >= 4, patches  # mixed sizes, text-only rows
+        dealt = Rebalance(spec, batch, 2, 2)
+        m = dealt.metrics("vision")
+        assert m["imbalance/vision"] <= m["imbalance_without/vision"], m
+        before, after = before + m["imbalance_without/vision"], after + m["imbalance/vision"]
+        for mb in range(2):
+            rows = slice(mb * 8, (mb + 1) * 8)
+            moved = {k: dealt.inputs(batch[k][rows], mb) for k in ("patches", "frame_ids")}
+            order = dealt.orders[mb]
+            np.testing.assert_array_equal(moved["frame_ids"], batch["frame_ids"][rows][order])
+            np.testing.assert_array_equal(moved["patches"], batch["patches"][rows][order])
+            np.testing.assert_array_equal(row_patches(moved), patches[rows][order])
+    assert after < before, (before, after)
 
 
 def test_entry_point_trains_a_qwen_preset(tmp_path):
@@ -163,13 +209,6 @@ def test_bad_settings_are_one_line():
     ):
         QwenTask(_config()).validate_layouts(
             {"vision": hc_layout("cp=3"), "llm": hc_layout("dp=2")}
-        )
-    with pytest.raises(ValueError, match=r"^parallel.rebalance=vision: the Qwen2.5-VL tower's"):
-        QwenTask(
-            hc.TrainConfig(
-                model=hc.ModelConfig(preset="qwen2.5-vl-tiny"),
-                parallel=hc.ParallelConfig(rebalance="vision"),
-            )
         )
     with pytest.raises(ValueError, match=r"^vision: pp=4 must divide the tower's 2 scanned"):
         QwenTask(_config()).validate_layouts({"vision": hc_layout("pp=4")})

@@ -47,6 +47,7 @@ class Case:
     options: tuple[str, ...] = ()  # ParallelOptions switches to turn on
     freeze: tuple[str, ...] = ()  # modules or parts not trained (MLLM.train_graph's freeze)
     recompute: tuple[tuple[str, str], ...] = ()  # (module or "*", activation policy)
+    rebalance: tuple[str, ...] = ()  # encoders dealt over their batch ranks per step
 
     @property
     def parsed(self) -> dict[str, Layout]:
@@ -63,6 +64,7 @@ def case(
     options=(),
     freeze=(),
     recompute=None,
+    rebalance=(),
     id,
     **layouts,
 ):
@@ -77,6 +79,7 @@ def case(
         tuple(options),
         tuple(freeze),
         (("*", recompute),) if recompute else (),
+        tuple(rebalance),
     )
     return pytest.param(c, id=id, marks=[pytest.mark.slow] if slow else [])
 
@@ -142,6 +145,7 @@ def check_matches_reference(case: Case, ref: Reference, observers: tuple = ()) -
         islands=islands,
         microbatches=case.microbatches,
         schedule=case.schedule,
+        rebalance=case.rebalance,
     )
     ex = hetjax.Executor(
         plan,
@@ -172,6 +176,12 @@ def check_matches_reference(case: Case, ref: Reference, observers: tuple = ()) -
     np.testing.assert_array_equal(
         [m["supervised_tokens"] for m in got], [m["supervised_tokens"] for m in ref.metrics]
     )
+    for name in case.rebalance:  # never worse than the rows' order, better in some step
+        after, before = (
+            [m[f"{k}/{name}"] for m in got] for k in ("imbalance", "imbalance_without")
+        )
+        assert all(a <= b for a, b in zip(after, before, strict=True)), (after, before)
+        assert any(a < b for a, b in zip(after, before, strict=True)), (after, before)
 
     # The caller's parameters are intact.
     assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(ref.params))

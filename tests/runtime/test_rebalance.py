@@ -8,6 +8,7 @@ non-colocated; bad ``rebalance`` names get one line naming the fix.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import chex
@@ -71,6 +72,39 @@ def test_imbalance_and_costs():
     np.testing.assert_array_equal(costs, [1, 1, 1, 0, 0, 0, 0, 0])
     assert imbalance(costs[None], 2) == 3 / 1.5
     assert imbalance(costs[None], 2, [balanced_order(costs, 2)]) == 2 / 1.5
+
+
+def test_weighted_order_balances_patches_and_keeps_rows_home():
+    rng = np.random.default_rng(2)
+    for ranks, u in ((2, 4), (4, 2), (4, 6)):
+        for _ in range(20):
+            costs = rng.choice([0, 8, 16, 32, 64, 256], ranks * u)
+            order = balanced_order(costs, ranks)
+            assert sorted(order) == list(range(len(costs)))  # a permutation
+            busiest = costs[order].reshape(ranks, u).sum(1).max()
+            assert busiest <= costs.reshape(ranks, u).sum(1).max()  # never worse
+            # LPT's bound: within 4/3 of the best (which is at least these two)
+            assert busiest <= 4 / 3 * max(costs.max(), costs.sum() / ranks) + 1e-9
+    costs = np.array([64, 64, 0, 0, 8, 8, 0, 0])  # rank 0 holds both big rows
+    order = balanced_order(costs, 2)
+    assert imbalance(costs[None], 2, [order]) == 1.0
+    assert (np.arange(8) // 4 != order // 4).sum() == 2  # a big row and a small one swap
+
+
+def test_bad_unit_cost_or_slot_dim_is_one_line():
+    from hetjax.runtime.rebalance import Rebalance
+
+    graph = MLLM(get_preset("tiny")).train_graph(
+        {"vision": hetjax.Layout(dp=2), "llm": hetjax.Layout(dp=2)}
+    )
+    spec = graph.module("vision")
+    batch = {"images": np.ones((4, 2, 3, 3, 1), np.float32)}
+    bad = dataclasses.replace(spec, unit_cost=lambda b: np.ones(4), input_slots=2)
+    with pytest.raises(ValueError, match=r"^vision: unit_cost gave costs of shape \(4,\); it"):
+        Rebalance(bad, batch, 1, 2)
+    dealt = Rebalance(dataclasses.replace(spec, input_slots=2), batch, 1, 2)
+    with pytest.raises(ValueError, match=r"^vision: an input of shape \(4, 3\) cannot move"):
+        dealt.inputs(np.zeros((4, 3)), 0)
 
 
 # Colocated in one microbatch (about 12 images per encoder rank: the goal's <= 1.1);
