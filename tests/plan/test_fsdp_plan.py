@@ -1,6 +1,7 @@
 """The cost model prices fsdp: state / fsdp per device, per-microbatch gathers and
 reduce-scatters of the weights, the batch split over dp x fsdp; the search offers the
-LLM's fsdp degrees when asked (``search(..., fsdp=True)``)."""
+LLM's fsdp degrees by default (``search(..., fsdp=False)``: dp only), never in the paper's
+stock baseline."""
 
 import dataclasses
 
@@ -53,12 +54,24 @@ def test_batch_must_split_over_dp_times_fsdp():
 
 def test_search_offers_fsdp_shares_of_the_data_ranks():
     tiny, work, hw = get_preset("tiny"), Workload(8, 64, 1, act_bytes=4), get_profile("cpu")
-    plain = llm_layouts(tiny, 8, work, hw)
-    both = llm_layouts(tiny, 8, work, hw, fsdp=True)
+    plain = llm_layouts(tiny, 8, work, hw, fsdp=False)
+    both = llm_layouts(tiny, 8, work, hw)
     assert set(plain) < set(both) and all(lay.fsdp == 1 for lay in plain)
     folded = {dataclasses.replace(lay, dp=lay.data_ranks, fsdp=1) for lay in both}
     assert folded == set(plain)  # fsdp only re-splits the data ranks of a plain layout
     assert {lay.fsdp for lay in both} == {1, 2, 4, 8}
-    without = search(tiny, 8, work, hw)
-    found = search(tiny, 8, work, hw, fsdp=True)
+    without = search(tiny, 8, work, hw, fsdp=False)
+    found = search(tiny, 8, work, hw)
     assert found.best.step_time_s <= without.best.step_time_s
+
+
+def test_fsdp_by_default_but_not_in_the_stock_baseline():
+    """At 8 H100s the planner's 14B LLM takes fsdp (faster and leaner than its best plan
+    without); the paper's baseline, Megatron's stock layout, stays without."""
+    cfg, work = paper_preset("vit-1b", "llm-14b", 8192), Workload(16, 8192, 4)
+    without = search(cfg, 8, work, "h100", fsdp=False)
+    found = search(cfg, 8, work, "h100")
+    assert found.best.plan.llm.layout.fsdp > 1
+    assert found.best.step_time_s < without.best.step_time_s
+    assert found.stock.plan.llm.layout.fsdp == 1
+    assert found.stock.step_time_s == pytest.approx(without.stock.step_time_s)
