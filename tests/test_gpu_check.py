@@ -97,7 +97,17 @@ def test_smoke_run_reports_every_section(smoke):
     # XLA:CPU has no reduce-scatter pass: the ZeRO-1 reduction is an all-reduce there.
     assert rs["checked"] is True and rs["zero1_reduction_kinds"]
     assert rs["zero1_reduce_scatter"] is False
+    q = report["qwen_step"]
+    check_rates(q, "qwen_step")
+    assert q["shape"]["reduced"].startswith("LLM cut to 1 of 4 layers: training state")
+    assert 0 < q["tokens_per_s"] < q["positions_per_s"] and q["patches_per_s"] > 0
+    assert 0 < q["patch_fill"] <= 1 and set(q["mfu_by_module"]) == {"vision", "llm"}
+    # the tower frozen runs forward only; CPUs and float32 take the plain attention
+    assert "vision/fwd" in q["fused_attention_calls"] and q["programs"] >= 3
+    assert not any(q["fused_attention_calls"].values())
+    assert q["largest_program_bytes"] > 0 and q["device_peak_bytes"] is None
     assert "MFU" in table and "attention causal" in table and "profile of one step" in table
+    assert "qwen step (executor)" in table and "patches/s; LLM cut to 1 of 4" in table
 
 
 def test_the_variants_child_runs_under_another_flag_recipe():

@@ -41,6 +41,11 @@ the bf16 matmul rate measured at the start of the same call).
   executor's time over it.
 - ``reduce_scatter``: on 4 devices, the collectives of ZeRO-1 and sequence parallelism
   (``needs_devices`` on one GPU).
+- ``qwen_step``: Qwen2.5-VL-7B's shapes (the whole tower, frozen; the LLM cut to 8
+  layers; AdamW) on records of mixed image sizes, two-image samples, a video and text,
+  written on the spot: executor steps, MFU/HFU by the task's per-patch count, positions,
+  real tokens and patches per second, fused attention calls, device memory
+  (:mod:`experiments.gpu_check.qwen`).
 """
 
 from __future__ import annotations
@@ -71,6 +76,7 @@ SECTIONS = (
     "executor_vs_fused",
     "variants",
     "reduce_scatter",
+    "qwen_step",  # last: its own model and data; the script's 80 s past the budget cover it
 )
 
 
@@ -99,6 +105,12 @@ class Sizes:
     llava_batch: int
     llava_policy: str
     step_reps: int
+    qwen: Any  # MLLMConfig: a qwen2.5-vl preset
+    qwen_layers: int  # its LLM cut to these layers
+    qwen_seq: int
+    qwen_batch: int
+    qwen_images: tuple  # (height, width) pixels of the records' images
+    qwen_video: tuple  # (frames, height, width) of the records' video
     # Compute dtype of the block, stage and step programs. The smoke run's is float32:
     # XLA:CPU cannot run some bf16 x bf16 -> f32 weight-gradient dots (hetjax.ops.dense),
     # and what the smoke run checks is structure, not bf16 numerics (attention's rows
@@ -133,6 +145,14 @@ def full_sizes() -> Sizes:
         llava_batch=8,
         llava_policy="none",
         step_reps=3,
+        # 256 to 494 merged tokens an image (1024 to 1976 patches); the video 884 tokens
+        # (4 temporal patches of 26x34); two images up to 885 tokens: seq 1024 holds each
+        qwen=PRESETS["qwen2.5-vl-7b"],
+        qwen_layers=8,
+        qwen_seq=1024,
+        qwen_batch=4,
+        qwen_images=((448, 448), (336, 644), (644, 476), (728, 532)),
+        qwen_video=(8, 364, 476),
     )
 
 
@@ -165,6 +185,12 @@ def smoke_sizes() -> Sizes:
         llava_batch=1,
         llava_policy="none",
         step_reps=1,
+        qwen=PRESETS["qwen2.5-vl-tiny"],
+        qwen_layers=1,
+        qwen_seq=96,
+        qwen_batch=4,
+        qwen_images=((28, 56), (56, 56), (56, 84)),
+        qwen_video=(4, 56, 56),
         dtype="float32",
     )
 
@@ -183,7 +209,7 @@ class CheckConfig:
 def run_sections(config: CheckConfig, run: Any, report: dict) -> None:
     """Runs the chosen sections in order, writing the JSON after each."""
     from experiments.cli import write_json
-    from experiments.gpu_check import blocks, kernels, profile, stages
+    from experiments.gpu_check import blocks, kernels, profile, qwen, stages
     from experiments.gpu_check.common import guarded
 
     recipe = report["xla_recipe"]
@@ -198,6 +224,7 @@ def run_sections(config: CheckConfig, run: Any, report: dict) -> None:
         "profile": profile.profile_section,
         "executor_vs_fused": stages.executor_vs_fused_section,
         "reduce_scatter": stages.reduce_scatter_section,
+        "qwen_step": qwen.qwen_step_section,
     }
     t0 = time.perf_counter()
     for name in config.sections or SECTIONS:

@@ -42,8 +42,16 @@ def print_table(report: dict) -> None:
     e = report.get("executor_vs_fused")
     if isinstance(e, dict) and "fused" in e:
         rows.append(("llava step (one jit)", e["fused"]))
+    if "qwen_step" in report:
+        rows.append(("qwen step (executor)", report["qwen_step"]))
     for name, r in rows:
         print(rate_line(name, r))
+    q = report.get("qwen_step")
+    if isinstance(q, dict) and "patches_per_s" in q:
+        print(
+            f"qwen step: {q['tokens_per_s']:.0f} tokens/s ({q['positions_per_s']:.0f} positions),"
+            f" {q['patches_per_s']:.0f} patches/s; {q['shape']['reduced'] or 'full depth'}"
+        )
     if isinstance(e, dict) and "executor_over_fused" in e:
         print(f"executor / one jit: {e['executor_over_fused']:.3f}")
     att = report.get("attention")
