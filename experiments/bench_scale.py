@@ -26,11 +26,16 @@ Rows with fsdp (only where :class:`hetjax.Layout` has an fsdp degree) add:
   reduce-scatters over the fsdp axis alone in the compiled programs of the second step
   (:mod:`hetjax.inspect.hlo`; XLA:CPU writes a reduce-scatter as an all-reduce and a
   slice, read as an all-reduce: each counted at its full buffer).
-- ``fsdp_collective_bytes_ideal``: the policy's: per microbatch, one gather of each
-  fsdp-sharded weight for the forward, one again for the backward (gathered weights are
-  not kept across the forward and backward nor across microbatches: memory is what FSDP
-  is for) and one reduce-scatter of its gradient, where it trains; the gathered bytes
-  are the whole weight over tp.
+- ``fsdp_collective_bytes_ideal``: what a correct FSDP moves (gathered weights are not
+  kept across the forward and backward nor across microbatches: memory is what FSDP is
+  for), per microbatch and fsdp-sharded weight: one gather for the forward; one again
+  for the backward where the backward reads the weight (:func:`backward_reads`: a
+  matmul's kernel or a norm's scale, whose input gradient it scales; not an embedding
+  table, whose gradient is a scatter-add of the cotangents, nor an added bias, position
+  or class embedding, whose gradient is the cotangent summed, nor the input projection
+  of a part whose input needs no gradient, the encoder's patch embedding); and one
+  reduce-scatter of its gradient where it trains. The gathered bytes are the whole
+  weight over tp.
 - ``step_time_ratio_vs_no_fsdp``: over the same layout with fsdp folded into dp.
 
 Rebalance rows (``--rebalance vision``) add ``imbalance_before`` / ``imbalance_after``
@@ -130,6 +135,23 @@ def _split(names: tuple, layout: Any) -> int:
     return math.prod(getattr(layout, a) for a in axes)
 
 
+ADDED = ("bias", "pos", "cls")  # parameters the forward adds: their gradient is the cotangent
+LOOKED_UP = ("table",)  # embedding tables: their gradient scatter-adds the cotangents
+INPUT_PROJECTION = ("pre", "proj", "kernel")  # an encoder's patch (or frame) embedding
+
+
+def backward_reads(path: tuple[str, ...], input_grad: bool) -> bool:
+    """Whether the backward of the part holding the parameter at ``path`` (its keys
+    within the part, ``("blocks", "qkv", "kernel")``) reads the parameter: it does where
+    the parameter scales what flows back (a matmul's kernel, a norm's scale) unless what
+    it scales is the part's own input and that needs no gradient (``input_grad``: some
+    part before it or upstream trains); an added or looked-up parameter's gradient never
+    reads it (:data:`ADDED`, :data:`LOOKED_UP`)."""
+    if path[-1] in ADDED + LOOKED_UP:
+        return False
+    return input_grad or tuple(path) != INPUT_PROJECTION
+
+
 @dataclasses.dataclass(frozen=True)
 class Leaf:
     """One parameter of the whole model, as the trainer holds it."""
@@ -141,6 +163,7 @@ class Leaf:
     itemsize: int  # bytes per element as held (bf16 where a frozen part is)
     trained: bool
     layout: Any  # its module's Layout
+    backward_reads: bool = True  # its part's backward reads it (:func:`backward_reads`)
 
     def per_device(self, itemsize: int | None = None, *, gathered: bool = False) -> int:
         """Bytes per device by the layout's degrees (``gathered``: not split over fsdp)."""
@@ -156,18 +179,30 @@ def _leaves(tr: Any) -> list[Leaf]:
     from hetjax.meshes.rules import is_logical_names
 
     out = []
-    full = tr.engine.full_params()
-    for spec in tr.graph.modules:
+    full, graph = tr.engine.full_params(), tr.graph
+    for spec in graph.modules:
+        # The first part's input has a gradient where something upstream trains.
+        input_grad = any(graph.trains_upstream(l.src) for l in graph.links_into(spec.name))
         for part in spec.parts:
             axes = jax.tree.leaves(part.logical_axes(), is_leaf=is_logical_names)
-            held = jax.tree.leaves(full[part.name])
-            for names, a in zip(axes, held, strict=True):
-                trained = part.name not in spec.frozen
+            held = jax.tree_util.tree_leaves_with_path(full[part.name])
+            trained = part.name not in spec.frozen
+            for names, (path, a) in zip(axes, held, strict=True):
+                keys = tuple(str(getattr(k, "key", k)) for k in path)
+                reads = backward_reads(keys, input_grad)
                 out.append(
                     Leaf(
-                        part.name, spec.name, names, a.size, a.dtype.itemsize, trained, spec.layout
+                        part.name,
+                        spec.name,
+                        names,
+                        a.size,
+                        a.dtype.itemsize,
+                        trained,
+                        spec.layout,
+                        reads,
                     )
                 )
+            input_grad = input_grad or trained
     return out
 
 
@@ -211,7 +246,7 @@ def fsdp_ideal(leaves: list[Leaf], backward: set[str], microbatches: int) -> int
     total = 0
     for leaf in leaves:
         if "embed" in leaf.names and getattr(leaf.layout, "fsdp", 1) > 1:
-            times = 1 + (leaf.module in backward) + leaf.trained
+            times = 1 + (leaf.module in backward and leaf.backward_reads) + leaf.trained
             total += microbatches * times * leaf.per_device(gathered=True)
     return total
 
