@@ -133,7 +133,8 @@ def weighted_order(costs_U: np.ndarray, ranks: int) -> np.ndarray:
     Largest cost first, each real unit goes to the least loaded rank with room (its own
     on a tie): within 4/3 of the best busiest rank (Graham's LPT bound). The bins are
     then given to the ranks that already hold most of their units (an assignment
-    problem), and padding stays where there is room, so the all-to-all moves few."""
+    problem), and padding stays where there is room, so the all-to-all moves few. Where
+    the rows' own order is no busier (LPT is not optimal), it stays: nothing moves."""
     n = len(costs_U)
     u = n // ranks
     home = np.arange(n) // u
