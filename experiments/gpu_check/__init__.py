@@ -9,7 +9,8 @@ own matmul ceiling, and the GPU options (issue 30).
 section is one key of the JSON object, written after each section (a run killed at its
 limit keeps what it did); a section or row that fails (out of memory) reports
 ``{"error": ...}`` and the rest still run; rows past ``--budget-s`` (default 450 s, so
-the whole call fits 8 minutes of device time with the start) report ``{"skipped": ...}``.
+the whole call fits 8 minutes of device time with the start) report ``{"skipped": ...}``;
+one still running when the script's hard time limit ends the call, ``{"stopped": ...}``.
 ``--sections a,b`` runs only those. Every timed row reports ``tflops_per_s`` (model
 FLOPs per second), ``mfu`` and ``hfu`` (over the dense bf16 peak,
 :func:`hetjax.runtime.flops.peak_tflops` or ``--peak-tflops``) and ``of_ceiling`` (over
@@ -228,7 +229,11 @@ def run_sections(config: CheckConfig, run: Any, report: dict) -> None:
     }
     t0 = time.perf_counter()
     for name in config.sections or SECTIONS:
-        report[name] = run.over() or guarded(compute[name], run)
+        skipped = run.over()
+        if skipped is None:  # what the JSON says of a section the call's time limit stops
+            report[name] = {"stopped": "still running when the call's time limit came"}
+            write_json(config.json, report)
+        report[name] = skipped or guarded(compute[name], run)
         print(f"  {name} done ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
         write_json(config.json, report)
 

@@ -164,8 +164,6 @@ def qwen_step_section(run: Run) -> dict:
     attended pair), averaged over the timed steps (each step's patches differ), LLM
     positions, real tokens and patches per second, the programs compiled and the fused
     attention calls in them, and device memory."""
-    import jax
-
     from experiments import runner
     from hetjax.inspect import Recorder
 
@@ -180,7 +178,7 @@ def qwen_step_section(run: Run) -> dict:
             batches = runner.batches(tr, 1 + s.step_reps)
             data = [tr.data.step_metrics(i) for i in range(len(batches))]
             t0 = time.perf_counter()
-            _, times = runner.timed_steps(tr.engine, batches)
+            _, times = runner.timed_steps(tr.engine, batches, rec)
             first_s = time.perf_counter() - t0 - sum(times)
         finally:
             tr.data.close()
@@ -197,7 +195,8 @@ def qwen_step_section(run: Run) -> dict:
     fused = {
         f"{k[0][0]}/{k[1]}": c.as_text().count("__cudnn$fmha") for k, c in rec.compiled.items()
     }
-    stats = jax.devices()[0].memory_stats() if run.devices[0].platform != "cpu" else None
+    device = run.devices[0]
+    stats = device.memory_stats() if device.platform != "cpu" else None
     out = {
         "shape": {
             "llm_layers": cfg.llm.depth,
