@@ -32,6 +32,14 @@ def test_bad_flags_are_one_line_errors():
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
 
 
+def test_a_section_past_the_budget_is_skipped(tmp_path):
+    path = tmp_path / "out.json"
+    config = CheckConfig(json=str(path), smoke=True, sections=("qwen_step",), budget_s=1e-9)
+    with contextlib.redirect_stdout(io.StringIO()):
+        main(config, devices=jax.devices())
+    assert json.loads(path.read_text())["qwen_step"] == {"skipped": "time budget spent"}
+
+
 def check_rates(row: dict, what) -> None:
     assert "error" not in row and "skipped" not in row, (what, row)
     for key in RATES:

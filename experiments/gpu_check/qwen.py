@@ -158,6 +158,16 @@ def qwen_trainer(run: Run, paths: dict[str, str], observers: list) -> Any:
     )
 
 
+def mean_metrics(tr: Any, batches: list, first_s: float, times: list[float]) -> dict:
+    """The task's FLOP metrics (:meth:`models.llava.task.LlavaTask.flop_metrics`) of each
+    timed step at its own time, averaged: model FLOPs differ per step with its patches."""
+    metrics = tr.model.flop_metrics(tr)  # pops each batch's vision counts in step order
+    supervised = [float(b["loss_mask"].sum()) for b in batches]
+    metrics(supervised[0], first_s)  # the compiling step's counts: not reported
+    steps = [metrics(n, t) for n, t in zip(supervised[1:], times, strict=True)]
+    return {k: statistics.fmean(m[k] for m in steps) for k in steps[0]}
+
+
 def qwen_step_section(run: Run) -> dict:
     """``1 + step_reps`` executor steps (the first compiles): MFU and HFU by the task's
     own count (:meth:`models.qwen.task.QwenTask.step_flops`: the tower per real patch and
@@ -182,29 +192,25 @@ def qwen_step_section(run: Run) -> dict:
             first_s = time.perf_counter() - t0 - sum(times)
         finally:
             tr.data.close()
-    metrics = tr.model.flop_metrics(tr)  # pops each batch's vision counts in step order
-    supervised = [float(b["loss_mask"].sum()) for b in batches]
-    metrics(supervised[0], first_s)  # the compiling step's counts: not reported
-    steps = [metrics(n, t) for n, t in zip(supervised[1:], times, strict=True)]
-    mean = {k: statistics.fmean(m[k] for m in steps) for k in steps[0]}
+    mean = mean_metrics(tr, batches, first_s, times)
     t = statistics.fmean(times)
     cfg, task = qwen_config(run), tr.model
     rows, length = batches[0]["tokens"].shape
-    tokens = statistics.fmean(d.get("tokens_per_step", float("nan")) for d in data[1:])
+    tokens = statistics.fmean(d["tokens_per_step"] for d in data[1:])
     patches = statistics.fmean(d["patches"] for d in data[1:])
     fused = {
         f"{k[0][0]}/{k[1]}": c.as_text().count("__cudnn$fmha") for k, c in rec.compiled.items()
     }
     device = run.devices[0]
     stats = device.memory_stats() if device.platform != "cpu" else None
-    out = {
+    return {
         "shape": {
             "llm_layers": cfg.llm.depth,
             "reduced": reduced(run),
             "llm_width": cfg.llm.width,
             "vocab": cfg.llm.vocab,
             "vision_layers": cfg.vision.depth,
-            "vision_frozen": True,
+            "vision_frozen": "vision" in tr.config.model.frozen,
             "seq": length,
             "batch": rows,
             "patches_per_row": task.patches_per_row,
@@ -227,4 +233,3 @@ def qwen_step_section(run: Run) -> dict:
         # the process's peak so far: this section's own unless an earlier one went higher
         "device_peak_bytes": stats and stats.get("peak_bytes_in_use"),
     }
-    return out
