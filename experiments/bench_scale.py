@@ -1,13 +1,14 @@
 """Scale-out: state bytes per device, FSDP collectives, encoder balance, frozen bf16.
 
-    python -m experiments.bench_scale --json out.json [--quick] [--steps N]
+    python -m experiments.bench_scale --json out.json [--quick] [--steps N] [--preset P]
 
 Rows are :class:`hetjax.config.TrainConfig` variants run by :mod:`experiments.runner`'s
-trainer of the ``small`` preset (``--quick``, for the test: ``tiny``) on 8 simulated CPU
-devices, colocated, on synthetic data with 0-6 images per sample
-(``data.synthetic_max_images=6``), global batch 32 in one microbatch (``--quick``) or 64
-in two. A row is a ``layout`` (module layouts, ``vision:dp=8 llm:fsdp=4,tp=2``) and what
-it adds (``rebalance vision``, ``freeze vision bf16``). Keys of every row:
+trainer of the ``small`` preset (``--preset tiny``: the same rows in minutes; ``--quick``,
+for the test: ``tiny`` and fewer rows) on 8 simulated CPU devices, colocated, on
+synthetic data with 0-6 images per sample (``data.synthetic_max_images=6``), global
+batch 32 in one microbatch (``--quick``) or 64 in two. A row is a ``layout`` (module
+layouts, ``vision:dp=8 llm:fsdp=4,tp=2``) and what it adds (``rebalance vision``,
+``freeze vision bf16``). Keys of every row:
 
 - ``state_bytes_per_device``: parameters + gradient accumulators + optimizer state of
   every stage on the busiest device (the arrays' shards, as placed).
@@ -76,6 +77,7 @@ class BenchConfig:
     json: str | None = None  # where to write the rows (a JSON list); None: print only
     quick: bool = False  # the tiny preset, fewer rows, 2 steps (for the test)
     steps: int = 3  # steps per row (the first compiles)
+    preset: str = "small"  # the model of every row (--quick: tiny)
 
 
 def fsdp_supported() -> bool:
@@ -96,7 +98,7 @@ def row_configs(config: BenchConfig) -> list[tuple[str, Any]]:
     """(what the row adds, its config) of every row."""
     from experiments.runner import bench_config, layout_fields, variant
 
-    preset = "tiny" if config.quick else "small"
+    preset = "tiny" if config.quick else config.preset
     microbatches = 1 if config.quick else 2
 
     def row(layouts: dict[str, str], **changes: Any) -> Any:
@@ -394,4 +396,7 @@ if __name__ == "__main__":
         prog="bench_scale",
         doc=__doc__,
         quick="the tiny preset, one fsdp pair (for the test)",
+        flags=lambda p, d: p.add_argument(
+            "--preset", default=d.preset, choices=sorted(SEQ_LEN), help="the model of every row"
+        ),
     )
