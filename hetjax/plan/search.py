@@ -15,18 +15,19 @@ constraints and with the cost model's structure instead:
 - pairs are ranked by the closed-form makespan; the best few per mode are re-timed with
   the schedule simulator, which decides.
 
-fsdp is searched by default for the LLM, not the encoder. The cost model prices it (state
-/ fsdp per device; per microbatch a gather of the weights for the forward, one for the
-backward and a reduce-scatter of the gradients, only what exceeds the compute exposed),
-so it wins where it should: where memory rules out faster layouts, and where the gathers
-hide behind compute but tp's per-layer all-reduces or the once-per-step gradient
-reduction would not. An fsdp layout re-splits the data ranks of a plain one, so the
-Pareto front keeps both and the plain plan is never lost. The encoder is left without:
-its state is a small share of the job's (1-12B beside a 14-120B LLM), ZeRO-1 over its
-ranks already splits its optimizer state (12 of its 16 bytes per parameter), and its
-fsdp shares would multiply the pairs priced (each encoder layout meets every LLM
-candidate) about eightfold at 256 GPUs, where the LLM's add one pass over its own
-candidates (about 1.7x the plans).
+fsdp is searched by default for the LLM; the encoder takes the LLM's share alone, where
+colocated (so that the homogeneous plan's encoder layout stays among the colocated
+ones). The cost model prices it (state / fsdp per device; per microbatch a gather of the
+weights for the forward, one for the backward and a reduce-scatter of the gradients,
+only what exceeds the compute exposed), so it wins where it should: where memory rules
+out faster layouts, and where the gathers hide behind compute but tp's per-layer
+all-reduces or the once-per-step gradient reduction would not. An fsdp layout re-splits
+the data ranks of a plain one, so the Pareto front keeps both and the plain plan is
+never lost. The encoder's own shares are not searched: its state is a small share of the
+job's (1-12B beside a 14-120B LLM), ZeRO-1 over its ranks already splits its optimizer
+state (12 of its 16 bytes per parameter), and every share would multiply the pairs
+priced (each encoder layout meets every LLM candidate) where the LLM's add one pass over
+its own candidates.
 
 Two homogeneous baselines (:data:`Baseline`), since gains depend on what they are against:
 ``best``, the fastest plan in which the encoder inherits the LLM's layout (the strongest
@@ -131,14 +132,23 @@ def llm_layouts(
     return out
 
 
-def vision_layouts(cfg: Any, n: int, hw: HardwareProfile, *, pipelined: bool) -> list[Layout]:
+def vision_layouts(
+    cfg: Any, n: int, hw: HardwareProfile, *, pipelined: bool, fsdp: int = 1
+) -> list[Layout]:
     """The encoder's layouts on ``n`` GPUs (cp=1: an image is not split; pp only when
-    non-colocated)."""
+    non-colocated); with ``fsdp`` > 1 each again with that fsdp share of its data ranks,
+    where it divides them and the width."""
     out = []
     for tp in _powers(hw.gpus_per_node):
         for pp in _divisors(cfg.vision.depth, 4) if pipelined else [1]:
             if n % (tp * pp) == 0:
                 out.append(Layout(dp=n // (tp * pp), tp=tp, pp=pp))
+    if fsdp > 1 and cfg.vision.width % fsdp == 0:
+        out += [
+            dataclasses.replace(lay, dp=lay.dp // fsdp, fsdp=fsdp)
+            for lay in out
+            if lay.dp % fsdp == 0
+        ]
     return out
 
 
@@ -262,9 +272,9 @@ def search(
                 if est := price(plan, stages):
                     found["homogeneous"].append(est)
             if "colocated" in modes:
-                for lay, saver in itertools.product(
-                    vision_layouts(cfg, num_gpus, hw, pipelined=False), savers
-                ):
+                # With the LLM's fsdp share too: the homogeneous plan's encoder is one.
+                shared = vision_layouts(cfg, num_gpus, hw, pipelined=False, fsdp=mp.layout.fsdp)
+                for lay, saver in itertools.product(shared, savers):
                     plan = Plan("colocated", ModulePlan(lay, **saver), mp, m)
                     if est := price(plan, stages):
                         found["colocated"].append(est)
