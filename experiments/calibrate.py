@@ -4,7 +4,8 @@
     python -m experiments.calibrate --gpu-record experiments/results/gpu_check_h200.json [--write]
 
 CPU (the default): times small programs on the simulated devices, all of them at once
-(they share the host's cores, as in training), median of ``REPS`` runs after a warm-up:
+(they share the host's cores, as in training), the fastest of the calls timed in the
+rounds of the executor rows below, the programs in turn (:class:`Probes`):
 
 - a dense layer's forward and backward (``[tokens, w] @ [w, w]``, its input and weight
   gradients: the matmul shapes training runs) per device at ``WIDTHS``: ``R w / (w + k)``
@@ -12,7 +13,9 @@ CPU (the default): times small programs on the simulated devices, all of them at
 - an element-wise ``x * a + b`` at ``SIZES`` elements per device: the line through
   (bytes read and written, seconds) gives ``hbm_tbps``;
 - an all-reduce over every device at ``SIZES``: the line through (bytes each device
-  sends, seconds) gives the link bandwidth and ``latency_us``;
+  sends, seconds) gives the link bandwidth, and its fixed cost beyond the element-wise
+  program's (what calling a one-op program costs) ``latency_us``; both lines are fitted
+  on relative error, so the small buffers a tiny model moves set the fixed costs;
 - the executor itself on a model of negligible compute (``tiny`` shrunk), in two layouts
   (``DISPATCH_ROWS``: non-colocated vision ``dp=4`` | LLM ``pp=4`` in 4 microbatches,
   many calls on one device each; colocated ``dp=8`` in one, few calls on 8 devices each):
@@ -38,14 +41,13 @@ import dataclasses
 import datetime
 import os
 import platform
-import statistics
 import time
 from typing import Any
 
-WIDTHS = (32, 64, 128, 256, 512, 1024)
-SIZES = (2**16, 2**18, 2**20, 2**22)  # float32 elements per device
+WIDTHS = (8, 16, 32, 64, 128, 256, 512, 1024)  # 8: a tiny preset's head_dim
+# float32 elements per device: from a tiny preset's activations (2**12-2**14) up
+SIZES = (2**10, 2**13, 2**16, 2**19, 2**22)
 TOKENS = 1024  # matmul rows per device
-REPS = 5
 HBM_RATIO = 3.35 / 4.8  # H100 / H200 memory bandwidth (TB/s)
 
 
@@ -57,46 +59,72 @@ class CalibrateConfig:
     json: str | None = None  # write the points and the fit
 
 
-def _median_time(f: Any, *args: Any) -> float:
-    import jax
+class Probes:
+    """The calibration's programs on ``devices`` (all at once: they share the host's cores,
+    as in training), compiled and warm, each call's time kept.
 
-    jax.block_until_ready(f(*args))
-    times = []
-    for _ in range(REPS):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    :meth:`time_once` times one call of each, in turn; ``experiments.validate_plan`` calls
+    it once per round of its rows, so the programs and the rows are timed in the same
+    minutes of the shared machine. :meth:`points` takes the fastest call of each: other
+    work only ever adds time to a call (it takes cores, caches and memory bandwidth; it
+    never lends them)."""
 
+    def __init__(self, devices: list):
+        import jax
+        import jax.numpy as jnp
+        import numpy as np
+        from jax.sharding import Mesh, NamedSharding
+        from jax.sharding import PartitionSpec as P
 
-def measure(devices: list) -> dict[str, list]:
-    """Per device: matmul ``(width, flops, s)``, element-wise ``(bytes, s)`` and all-reduce
-    ``(bytes sent, s)`` points on ``devices`` at once."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from jax.sharding import Mesh, NamedSharding
-    from jax.sharding import PartitionSpec as P
+        n = self.n = len(devices)
+        mesh = Mesh(np.asarray(devices), ("d",))
+        put = lambda shape: jax.device_put(jnp.ones(shape), NamedSharding(mesh, P("d")))  # noqa: E731
+        # forward and backward of a dense layer, as training runs it: y = x W, dx, dW
+        dense = lambda a, b: jnp.sum(jnp.einsum("dtw,dwv->dtv", a, b) ** 2)  # noqa: E731
+        matmul = jax.jit(jax.grad(dense, argnums=(0, 1)))
+        axpy = jax.jit(lambda x: x * 1.5 + 0.5)
+        total = jax.jit(
+            jax.shard_map(
+                lambda x: jax.lax.psum(x, "d"), mesh=mesh, in_specs=P("d"), out_specs=P("d")
+            )
+        )
+        self.programs = [(matmul, (put((n, TOKENS, w)), put((n, w, w)))) for w in WIDTHS]
+        xs = [put((n, size)) for size in SIZES]
+        self.programs += [(axpy, (x,)) for x in xs] + [(total, (x,)) for x in xs]
+        for f, args in self.programs:
+            jax.block_until_ready(f(*args))
+        self.times: list[list[float]] = [[] for _ in self.programs]
 
-    n = len(devices)
-    mesh = Mesh(np.asarray(devices), ("d",))
-    put = lambda shape: jax.device_put(jnp.ones(shape), NamedSharding(mesh, P("d")))  # noqa: E731
-    # forward and backward of a dense layer, as training runs it: y = x W, dx, dW
-    dense = lambda a, b: jnp.sum(jnp.einsum("dtw,dwv->dtv", a, b) ** 2)  # noqa: E731
-    matmul = jax.jit(jax.grad(dense, argnums=(0, 1)))
-    axpy = jax.jit(lambda x: x * 1.5 + 0.5)
-    total = jax.jit(
-        jax.shard_map(lambda x: jax.lax.psum(x, "d"), mesh=mesh, in_specs=P("d"), out_specs=P("d"))
-    )
-    out: dict[str, list] = {"matmul": [], "elementwise": [], "all_reduce": []}
-    for w in WIDTHS:
-        t = _median_time(matmul, put((n, TOKENS, w)), put((n, w, w)))
-        out["matmul"].append((float(w), 6.0 * TOKENS * w * w, t))
-    for size in SIZES:
-        x = put((n, size))
-        out["elementwise"].append((2.0 * 4 * size, _median_time(axpy, x)))
-        out["all_reduce"].append((2.0 * (n - 1) / n * 4 * size, _median_time(total, x)))
-    return out
+    @property
+    def rounds(self) -> int:
+        return len(self.times[0])
+
+    def time_once(self) -> None:
+        """Times one call of each program, in turn."""
+        import jax
+
+        for (f, args), out in zip(self.programs, self.times, strict=True):
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(*args))
+            out.append(time.perf_counter() - t0)
+
+    def points(self, start: int = 0) -> dict[str, list]:
+        """Per device: matmul ``(width, flops, s)``, element-wise ``(bytes, s)`` and
+        all-reduce ``(bytes sent, s)`` points, each the fastest call of the rounds from
+        ``start`` on."""
+        t = [min(x[start:]) for x in self.times]
+        k, n, s = len(WIDTHS), self.n, len(SIZES)
+        return {
+            "matmul": [
+                (float(w), 6.0 * TOKENS * w * w, x) for w, x in zip(WIDTHS, t[:k], strict=True)
+            ],
+            "elementwise": [
+                (2.0 * 4 * size, x) for size, x in zip(SIZES, t[k : k + s], strict=True)
+            ],
+            "all_reduce": [
+                (2.0 * (n - 1) / n * 4 * size, x) for size, x in zip(SIZES, t[k + s :], strict=True)
+            ],
+        }
 
 
 DISPATCH_ROWS = (  # the executor on negligible compute: many 1-device calls, few 8-device ones
@@ -158,15 +186,14 @@ def _nonnegative_lstsq(a: Any, t: Any) -> tuple[float, ...]:
     return out
 
 
-def micro_profile(devices: list) -> tuple[Any, dict]:
-    """The CPU profile's rates from the timed programs (dispatch and launch not yet
-    fitted), and the record of what it was fitted on."""
+def micro_profile(points: dict[str, list], devices: int) -> tuple[Any, dict]:
+    """The CPU profile's rates from the :class:`Probes`' ``points`` on ``devices``
+    (dispatch and launch not yet fitted), and the record of what it was fitted on."""
     import jax
 
     from hetjax.plan import get_profile
     from hetjax.plan.calibrate import fit_line, fit_matmul
 
-    points = measure(devices)
     mm = fit_matmul(points["matmul"])
     ew, ar = fit_line(points["elementwise"]), fit_line(points["all_reduce"])
     hw = dataclasses.replace(
@@ -179,15 +206,15 @@ def micro_profile(devices: list) -> tuple[Any, dict]:
         nvlink_gbps=ar.rate / 1e9,
         ib_gbps=ar.rate / 1e9,
         comm_efficiency=1.0,
-        latency_us=ar.fixed * 1e6,
-        gpus_per_node=len(devices),
+        latency_us=max(ar.fixed - ew.fixed, 0.0) * 1e6,  # beyond the call itself
+        gpus_per_node=devices,
     )
     record = {
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
         "host_cores": os.cpu_count(),
         "date": _now(),
         "jax": jax.__version__,
-        "devices": len(devices),
+        "devices": devices,
         "points": points,
         "worst_point_error": {
             "matmul": mm.max_rel_error,
@@ -205,13 +232,14 @@ def with_host_costs(hw: Any, record: dict, measured: list[dict]) -> tuple[Any, d
     return hw, {**record, "dispatch_rows": rows}
 
 
-def cpu_profile(devices: list, steps: int = 5) -> tuple[Any, dict]:
+def cpu_profile(devices: list, steps: int = 10) -> tuple[Any, dict]:
     """The CPU profile fitted on ``devices`` now, and the record of what it was fitted on."""
     from experiments import validate_plan as vp
 
-    hw, record = micro_profile(devices)
+    probes = Probes(devices)
     rows, models = dispatch_rows()
-    return with_host_costs(hw, record, vp.measure_rows(rows, devices, steps, models))
+    measured = vp.measure_rows(rows, devices, steps, models, probes)
+    return with_host_costs(*micro_profile(probes.points(), len(devices)), measured)
 
 
 def _now() -> str:

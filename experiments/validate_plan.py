@@ -12,11 +12,15 @@ the planner's :func:`hetjax.plan.estimate` of the same plan. Each row also count
 host calls of one step (program dispatches and transfers, through an executor observer)
 beside the planner's count (:func:`hetjax.plan.cost.calls`).
 
-The machine is shared and its speed drifts, so by default the CPU profile is fitted in
-the same run, right before the rows (:func:`experiments.calibrate.cpu_profile`), and
-the rows are predicted with it; the committed ``hetjax/plan/profiles/cpu.json`` is
-what ``--no-calibrate`` (and ``--quick``, for the test: one tiny row) uses, and
-``--write-profile`` replaces with this run's. Prints a
+The machine is shared and its speed drifts with the load, so by default the CPU profile
+is fitted in the same run, in the same minutes as the rows: the calibration's programs
+(:class:`experiments.calibrate.Probes`) are timed once per round of each group of rows,
+and each row is predicted with the rates of its own group's rounds (``dispatch_us`` and
+``launch_us`` from the executor rows, ``experiments.calibrate.DISPATCH_ROWS``, measured
+with the tiny rows; none of them a validation layout). The committed
+``hetjax/plan/profiles/cpu.json`` is what ``--no-calibrate`` (and ``--quick``, for the
+test: one tiny row) uses, and ``--write-profile`` replaces with this run's (the rates of
+the fastest calls over all rounds). Prints a
 row per layout and a summary: median and worst ``|predicted / measured - 1|`` and
 Kendall's tau between the two rankings, against the fastest step (the goals') and
 against the median (how much the machine's load moves them); goals 15%, 30%,
@@ -176,13 +180,14 @@ class _Run:
 
 
 def measure_rows(
-    rows: list[Row], devices: list, steps: int, presets: dict | None = None
+    rows: list[Row], devices: list, steps: int, presets: dict | None = None, probes: Any = None
 ) -> list[dict]:
     """Per row: the fastest of ``steps - 2`` timed steps, their median, and the host calls
     of one step. Two steps per row are not timed: the first compiles, the second warms up
     and counts the calls. The rows' trainers are built first and then stepped in turn, a
     step of each per round, so a burst of load on the shared machine lands on every row
-    alike (``presets``: row name -> a shrunk model).
+    alike (``presets``: row name -> a shrunk model); ``probes``
+    (:class:`experiments.calibrate.Probes`), if given, are timed once per round too.
 
     ``measured_step_s`` is the fastest step: other work on the machine only ever adds
     time to a step (it takes cores, caches and memory bandwidth; it never lends them), so
@@ -195,6 +200,8 @@ def measure_rows(
     for _ in range(max(steps - 2, 1)):
         for run in runs:
             run.step()
+        if probes is not None:
+            probes.time_once()
     out = [
         {
             "measured_step_s": min(r.times),
@@ -244,20 +251,36 @@ def main(config: ValidateConfig) -> dict:
     todo = list(QUICK_ROWS if config.quick else ROWS)
     calibrating = not (config.quick or config.no_calibrate)
     extra, models = calibrate.dispatch_rows() if calibrating else ([], {})
-    if calibrating:
-        hw, record = calibrate.micro_profile(devices)
+    probes = calibrate.Probes(devices) if calibrating else None
     # Rows measured together (round-robin, :func:`measure_rows`): the dispatch rows with
-    # the tiny ones; the small ones one at a time (their trainers' memory).
+    # the tiny ones; the small ones one at a time (their trainers' memory). The
+    # calibration's programs are timed in the rounds of every group: each group's rows are
+    # predicted with the rates of its own minutes of the shared machine.
     groups = [extra + [r for r in todo if r.preset != "small"]]
     groups += [[r] for r in todo if r.preset == "small"]
-    measured = {}
+    measured, rates = {}, {}
     for group in groups:
-        got_rows = measure_rows(group, devices, config.steps, models)
+        start = probes.rounds if probes else 0
+        got_rows = measure_rows(group, devices, config.steps, models, probes)
         for row, got in zip(group, got_rows, strict=True):
             measured[row.name] = got
+            rates[row.name] = probes.points(start) if probes else None
             print(f"  measured {row.name}: {got['measured_step_s']:.3f} s", file=sys.stderr)
+    profiles = {row.name: hw for row in todo}
     if calibrating:
-        hw, record = calibrate.with_host_costs(hw, record, [measured[r.name] for r in extra])
+        # dispatch and launch from the executor rows, with the rates of their own rounds
+        host = [measured[r.name] for r in extra]
+        own = calibrate.micro_profile(rates[extra[0].name], DEVICES)
+        tiny, fit = calibrate.with_host_costs(*own, host)
+        fixed = {"dispatch_us": tiny.dispatch_us, "launch_us": tiny.launch_us}
+        for row in todo:
+            profiles[row.name] = dataclasses.replace(
+                calibrate.micro_profile(rates[row.name], DEVICES)[0], **fixed
+            )
+        # the profile this run writes: the rates of the fastest calls of every round
+        hw, record = calibrate.micro_profile(probes.points(), DEVICES)
+        hw = dataclasses.replace(hw, **fixed)
+        record["dispatch_rows"] = fit["dispatch_rows"]
         fitted_on = f"this run ({record['date']})"
         if config.write_profile:
             from hetjax.plan.hardware import PROFILE_DIR, save_profile
@@ -267,7 +290,9 @@ def main(config: ValidateConfig) -> dict:
     rows = []
     for row in todo:
         got = measured[row.name]
-        predicted, calls = predict(row, hw)
+        if calibrating:
+            print(f"  {row.name}: {calibrate.describe(profiles[row.name])}", file=sys.stderr)
+        predicted, calls = predict(row, profiles[row.name])
         rows.append(
             {
                 "layout": row.name,
@@ -282,6 +307,7 @@ def main(config: ValidateConfig) -> dict:
                 "predicted_step_s": predicted,
                 **got,
                 "predicted_calls": calls,
+                "profile": calibrate.describe(profiles[row.name]),
                 "error": predicted / got["measured_step_s"] - 1,
                 "error_vs_median": predicted / got["measured_median_step_s"] - 1,
             }

@@ -49,8 +49,8 @@ def fit_matmul(samples: Sequence[tuple[float, float, float]]) -> Fit:
     if len(set(w.tolist())) < 2:
         raise ValueError("calibration needs matmuls of at least two different widths")
     if len(set(w.tolist())) >= 3:
-        (fixed, inv_rate, knee_rate), *_ = np.linalg.lstsq(
-            np.stack([np.ones_like(f), f, f / w], 1), t, rcond=None
+        (fixed, inv_rate, knee_rate), *_ = np.linalg.lstsq(  # relative error, as fit_line
+            np.stack([np.ones_like(f), f, f / w], 1) / t[:, None], np.ones_like(t), rcond=None
         )
         slope, intercept = inv_rate, knee_rate
         fixed = max(float(fixed), 0.0)
@@ -75,7 +75,9 @@ class Line:
 
 def fit_line(samples: Sequence[tuple[float, float]]) -> Line:
     """Fits ``fixed`` and ``rate`` to ``(size, seconds)`` samples (element-wise programs,
-    collectives) by least squares; a negative intercept is clipped to 0.
+    collectives) by least squares on the relative error (the sizes span decades: on
+    absolute seconds the largest would set the line alone and the fixed cost, which
+    is what small buffers pay, would be noise); a negative intercept is clipped to 0.
 
     Raises:
         ValueError: fewer than two distinct sizes, or time that does not grow with size.
@@ -83,7 +85,7 @@ def fit_line(samples: Sequence[tuple[float, float]]) -> Line:
     x, t = (np.asarray(v, dtype=float) for v in zip(*samples, strict=True))
     if len(set(x.tolist())) < 2:
         raise ValueError("calibration needs at least two different sizes")
-    slope, intercept = np.polyfit(x, t, 1)
+    (slope, intercept), *_ = np.linalg.lstsq(np.stack([x / t, 1 / t], 1), np.ones_like(t))
     if slope <= 0:
         raise ValueError("calibration: time does not grow with size; measure larger buffers")
     fixed = max(float(intercept), 0.0)
