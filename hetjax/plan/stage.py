@@ -18,7 +18,8 @@ and reduce-scatters their gradients (float32, as the engine stores them:
 exposed); the once-per-step reduction then spans the remaining dp. The DP
 gradient reduction (ZeRO-1: reduce-scatter of gradients, all-gather of parameters) runs
 once per step and overlaps only the last microbatch's backward, as Megatron's bucketed
-overlap does.
+overlap does. On devices that share the host's cores (``shared_compute``) nothing
+overlaps (:func:`exposed`): a collective there is the cores' own copying.
 
 ``cp_redundant`` prices the homogeneous baseline's encoder under the LLM's CP: stock
 Megatron runs the encoder on every CP rank of a data lane (an image is not a sequence to
@@ -65,6 +66,14 @@ def attention_kernel(
     if hw.fused_attention(act_bytes):
         return hw.peak_tflops * hw.fused_attention_efficiency * 1e12, 0
     return hw.matmul_tflops(min(head_dim, tokens)) * 1e12, SCORE_PASSES
+
+
+def exposed(comm: float, compute: float, hw: HardwareProfile) -> float:
+    """Seconds of ``comm`` not hidden behind ``compute``: the excess where collectives run
+    beside the kernels (GPU links and streams), all of it where the host's cores run both
+    (``shared_compute``: XLA:CPU's collectives are copies between host buffers, made by
+    the same cores that run the kernels)."""
+    return comm if hw.shared_compute else max(0.0, comm - compute)
 
 
 def elementwise_elements(shape: ModuleShape, tp: int = 1, *, sp: bool = True) -> float:
@@ -207,10 +216,10 @@ def module_stages(
         ep_x = crosses_nodes(tp * cp, ep, hw)
         a2a_calls = 2 * layers  # dispatch and combine per block
         a2a = moe * collective_time("all-to-all", a2a_buf, ep, crosses=ep_x, hw=hw, calls=a2a_calls)
-        forward = compute + memory_f + tp_f + max(0.0, ring - attention) + a2a
+        forward = compute + memory_f + tp_f + exposed(ring, attention, hw) + a2a
         # A frozen module's backward is its input gradients: one forward's matmuls.
         backward = (2 if trains else 1) * compute + memory_b + tp_b + a2a
-        backward += max(0.0, 2 * ring - 2 * attention)
+        backward += exposed(2 * ring, 2 * attention, hw)
         if plan.recompute == "full":
             backward += forward
         elif plan.recompute == "selective":
@@ -218,7 +227,8 @@ def module_stages(
             per_sample = 2 * shape.tokens * shape.top_k * shape.expert_params / shape.experts
             expert_s = lane * layers * per_sample / (tp * split) / rate
             scores_s = hw.memory_seconds(tokens * layers * scores * act_bytes)
-            backward += max(ring, attention + scores_s) + expert_s + a2a
+            core = attention + scores_s
+            backward += core + exposed(ring, core, hw) + expert_s + a2a
         backward *= runs_backward
         fwd_comm: dict[str, float] = defaultdict(float)
         bwd_comm: dict[str, float] = defaultdict(float)
@@ -249,10 +259,10 @@ def module_stages(
             each = dict(crosses=fsdp_x, hw=hw, calls=layers)  # one per layer
             gathers = collective_time("all-gather", held / layers, fsdp, **each)
             scatter = collective_time("reduce-scatter", held / layers, fsdp, **each)
-            forward += max(0.0, gathers - compute)
+            forward += exposed(gathers, compute, hw)
             fwd_comm["all-gather"] += held
             if runs_backward:
-                backward += max(0.0, gathers + trains * scatter - 2 * compute)
+                backward += exposed(gathers + trains * scatter, 2 * compute, hw)
                 bwd_comm["all-gather"] += held
                 bwd_comm["reduce-scatter"] += held * trains
         # What hetjax's engine sums in the backward (see replica_grads_per_microbatch).
@@ -307,7 +317,7 @@ def module_stages(
                 forward_s=forward,
                 backward_s=backward,
                 recv_s=recv,
-                reduce_s=max(0.0, reduce - backward),
+                reduce_s=exposed(reduce, backward, hw),
                 optimizer_s=hw.memory_seconds(touched),
                 loss=bool(vocab) and last,
                 backward=runs_backward,
