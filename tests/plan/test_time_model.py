@@ -130,3 +130,15 @@ def test_validate_plan_quick_counts_the_calls_it_plans(tmp_path):
     assert row["measured_calls"] == row["predicted_calls"]  # what the executor dispatched
     assert out["summary"]["kendall_tau"] == 1.0 and out["summary"]["rows"] == 1
     assert vp.kendall_tau([1, 2, 3], [3, 2, 1]) == -1.0
+
+
+def test_collectives_hide_behind_compute_only_on_devices_with_their_own_links():
+    from hetjax.plan.stage import exposed
+
+    cpu, gpu = get_profile("cpu"), get_profile("h100")
+    assert exposed(3.0, 2.0, cpu) == 3.0  # XLA:CPU: the cores copy the buffers themselves
+    assert exposed(3.0, 2.0, gpu) == 1.0 and exposed(1.0, 2.0, gpu) == 0.0
+    # the colocated dp=8 step's gradient all-reduce, smaller than its backward, costs whole
+    plan = Plan("colocated", ModulePlan(Layout(dp=8)), ModulePlan(Layout(dp=8)), 1)
+    for st in estimate(TINY, plan, WORK, cpu).stages:
+        assert 0 < st.reduce_s < st.backward_s
