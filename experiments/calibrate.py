@@ -13,9 +13,13 @@ rounds of the executor rows below, the programs in turn (:class:`Probes`):
 - an element-wise ``x * a + b`` at ``SIZES`` elements per device: the line through
   (bytes read and written, seconds) gives ``hbm_tbps``;
 - an all-reduce over every device at ``SIZES``: the line through (bytes each device
-  sends, seconds) gives the link bandwidth, and its fixed cost beyond the element-wise
-  program's (what calling a one-op program costs) ``latency_us``; both lines are fitted
-  on relative error, so the small buffers a tiny model moves set the fixed costs;
+  sends, seconds) gives the link bandwidth (both lines fitted on relative error, so the
+  small buffers a tiny model moves count);
+- ``CHAIN`` all-reduces of 4 KB over device pairs (TP's group) one after the other in
+  one program: the time per all-reduce gives ``latency_us``, the cost of a collective
+  as a stage program issues it (XLA:CPU's rendezvous of the devices' threads; a
+  program of one collective also pays its set-up, ~100 us more here, which is not per
+  collective);
 - the executor itself on a model of negligible compute (``tiny`` shrunk), in two layouts
   (``DISPATCH_ROWS``: non-colocated vision ``dp=4`` | LLM ``pp=4`` in 4 microbatches,
   many calls on one device each; colocated ``dp=8`` in one, few calls on 8 devices each):
@@ -39,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import os
 import platform
 import time
@@ -48,6 +53,7 @@ WIDTHS = (8, 16, 32, 64, 128, 256, 512, 1024)  # 8: a tiny preset's head_dim
 # float32 elements per device: from a tiny preset's activations (2**12-2**14) up
 SIZES = (2**10, 2**13, 2**16, 2**19, 2**22)
 TOKENS = 1024  # matmul rows per device
+CHAIN = (1, 33)  # all-reduces over device pairs in one program (TP's group), 4 KB each
 HBM_RATIO = 3.35 / 4.8  # H100 / H200 memory bandwidth (TB/s)
 
 
@@ -91,6 +97,13 @@ class Probes:
         self.programs = [(matmul, (put((n, TOKENS, w)), put((n, w, w)))) for w in WIDTHS]
         xs = [put((n, size)) for size in SIZES]
         self.programs += [(axpy, (x,)) for x in xs] + [(total, (x,)) for x in xs]
+        pairs = Mesh(np.asarray(devices).reshape(-1, 2), ("a", "t"))
+        lanes = NamedSharding(pairs, P(("a", "t")))
+        for k in CHAIN:
+            chain = functools.partial(_chain, k)
+            spec = P(("a", "t"))
+            prog = jax.jit(jax.shard_map(chain, mesh=pairs, in_specs=spec, out_specs=spec))
+            self.programs.append((prog, (jax.device_put(jnp.ones((n, 2**10)), lanes),)))
         for f, args in self.programs:
             jax.block_until_ready(f(*args))
         self.times: list[list[float]] = [[] for _ in self.programs]
@@ -122,9 +135,22 @@ class Probes:
                 (2.0 * 4 * size, x) for size, x in zip(SIZES, t[k : k + s], strict=True)
             ],
             "all_reduce": [
-                (2.0 * (n - 1) / n * 4 * size, x) for size, x in zip(SIZES, t[k + s :], strict=True)
+                (2.0 * (n - 1) / n * 4 * size, x)
+                for size, x in zip(SIZES, t[k + s : k + 2 * s], strict=True)
+            ],
+            "chained_all_reduces": [
+                (float(c), x) for c, x in zip(CHAIN, t[k + 2 * s :], strict=True)
             ],
         }
+
+
+def _chain(k: int, x: Any) -> Any:
+    """``k`` all-reduces over the ``t`` axis, each on the last one's result."""
+    import jax
+
+    for _ in range(k):
+        x = jax.lax.psum(x, "t") * 0.5
+    return x
 
 
 DISPATCH_ROWS = (  # the executor on negligible compute: many 1-device calls, few 8-device ones
@@ -196,6 +222,7 @@ def micro_profile(points: dict[str, list], devices: int) -> tuple[Any, dict]:
 
     mm = fit_matmul(points["matmul"])
     ew, ar = fit_line(points["elementwise"]), fit_line(points["all_reduce"])
+    chain = fit_line(points["chained_all_reduces"])
     hw = dataclasses.replace(
         get_profile("cpu"),
         peak_tflops=mm.tflops,
@@ -206,7 +233,7 @@ def micro_profile(points: dict[str, list], devices: int) -> tuple[Any, dict]:
         nvlink_gbps=ar.rate / 1e9,
         ib_gbps=ar.rate / 1e9,
         comm_efficiency=1.0,
-        latency_us=max(ar.fixed - ew.fixed, 0.0) * 1e6,  # beyond the call itself
+        latency_us=1e6 / chain.rate,  # seconds per all-reduce issued inside a program
         gpus_per_node=devices,
     )
     record = {

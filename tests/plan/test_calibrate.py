@@ -38,7 +38,7 @@ def test_probes_keep_the_fastest_call_of_their_rounds(monkeypatch):
     monkeypatch.setattr(calibrate, "SIZES", (16, 64))
     probes = calibrate.Probes(jax.devices())
     probes.time_once()
-    assert probes.rounds == 1 and len(probes.times) == 6  # 2 matmuls, 2 axpys, 2 sums
+    assert probes.rounds == 1 and len(probes.times) == 8  # 2 matmuls, axpys, sums, chains
     probes.times = [[3.0, 1.0, 2.0] for _ in probes.times]  # rounds 0, 1, 2
     points = probes.points()
     assert points["matmul"] == [
@@ -47,3 +47,18 @@ def test_probes_keep_the_fastest_call_of_their_rounds(monkeypatch):
     ]
     assert [s for _, s in points["elementwise"]] == [1.0, 1.0]
     assert [s for _, s in probes.points(start=2)["all_reduce"]] == [2.0, 2.0]  # a later group
+    assert probes.points()["chained_all_reduces"] == [(1.0, 1.0), (33.0, 1.0)]
+
+
+def test_latency_is_the_time_per_collective_a_program_issues():
+    from experiments import calibrate
+
+    points = {
+        "matmul": [(w, 6.0 * w * w, 1e-3 + 6.0 * w * w / 1e10) for w in (8, 64, 512)],
+        "elementwise": [(n, 1e-4 + n / 1e9) for n in (1e3, 1e6)],
+        "all_reduce": [(n, 2e-4 + n / 1e9) for n in (1e3, 1e6)],
+        "chained_all_reduces": [(1.0, 2e-4 + 3e-5), (33.0, 2e-4 + 33 * 3e-5)],
+    }
+    hw, record = calibrate.micro_profile(points, 8)
+    assert hw.latency_us == pytest.approx(30.0)  # not the program's set-up (200 us)
+    assert record["points"] is points and hw.gpus_per_node == 8
