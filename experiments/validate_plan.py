@@ -207,6 +207,7 @@ def measure_rows(
             "measured_step_s": min(r.times),
             "measured_median_step_s": statistics.median(r.times),
             "measured_steps": len(r.times),
+            "measured_times_s": r.times,  # in round order
             "measured_calls": r.calls,
         }
         for r in runs
