@@ -44,6 +44,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import functools
+import math
 import os
 import platform
 import time
@@ -53,6 +54,7 @@ WIDTHS = (8, 16, 32, 64, 128, 256, 512, 1024)  # 8: a tiny preset's head_dim
 # float32 elements per device: from a tiny preset's activations (2**12-2**14) up
 SIZES = (2**10, 2**13, 2**16, 2**19, 2**22)
 TOKENS = 1024  # matmul rows per device
+PROBE_S = 0.2  # seconds a timed probe call lasts at least (back-to-back runs)
 CHAIN = (1, 33)  # all-reduces over device pairs in one program (TP's group), 4 KB each
 HBM_RATIO = 3.35 / 4.8  # H100 / H200 memory bandwidth (TB/s)
 
@@ -73,9 +75,12 @@ class Probes:
     it once per round of its rows, so the programs and the rows are timed in the same
     minutes of the shared machine. :meth:`points` takes the fastest call of each: other
     work only ever adds time to a call (it takes cores, caches and memory bandwidth; it
-    never lends them)."""
+    never lends them). A timed "call" repeats the program back to back for at least
+    ``call_s`` seconds (the time per run kept): the fastest of a few 1 ms calls finds a
+    quiet moment of a loaded machine that the fastest of a few steps of 0.1-5 s does not,
+    and the two are compared."""
 
-    def __init__(self, devices: list):
+    def __init__(self, devices: list, call_s: float = PROBE_S):
         import jax
         import jax.numpy as jnp
         import numpy as np
@@ -104,8 +109,12 @@ class Probes:
             spec = P(("a", "t"))
             prog = jax.jit(jax.shard_map(chain, mesh=pairs, in_specs=spec, out_specs=spec))
             self.programs.append((prog, (jax.device_put(jnp.ones((n, 2**10)), lanes),)))
+        self.repeats = []
         for f, args in self.programs:
             jax.block_until_ready(f(*args))
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(*args))
+            self.repeats.append(max(1, math.ceil(call_s / (time.perf_counter() - t0))))
         self.times: list[list[float]] = [[] for _ in self.programs]
 
     @property
@@ -116,10 +125,11 @@ class Probes:
         """Times one call of each program, in turn."""
         import jax
 
-        for (f, args), out in zip(self.programs, self.times, strict=True):
+        for (f, args), reps, out in zip(self.programs, self.repeats, self.times, strict=True):
             t0 = time.perf_counter()
-            jax.block_until_ready(f(*args))
-            out.append(time.perf_counter() - t0)
+            for _ in range(reps):
+                jax.block_until_ready(f(*args))
+            out.append((time.perf_counter() - t0) / reps)
 
     def points(self, start: int = 0) -> dict[str, list]:
         """Per device: matmul ``(width, flops, s)``, element-wise ``(bytes, s)`` and

@@ -36,7 +36,7 @@ def test_probes_keep_the_fastest_call_of_their_rounds(monkeypatch):
 
     monkeypatch.setattr(calibrate, "WIDTHS", (8, 16))
     monkeypatch.setattr(calibrate, "SIZES", (16, 64))
-    probes = calibrate.Probes(jax.devices())
+    probes = calibrate.Probes(jax.devices(), call_s=0.0)
     probes.time_once()
     assert probes.rounds == 1 and len(probes.times) == 8  # 2 matmuls, axpys, sums, chains
     probes.times = [[3.0, 1.0, 2.0] for _ in probes.times]  # rounds 0, 1, 2
