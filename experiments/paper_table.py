@@ -86,7 +86,12 @@ def _plan(encoder: str, llm: str, seq_len: int, gpu, gpus: int):
     from models.config import paper_preset
 
     cfg = paper_preset(encoder, llm, seq_len)
-    return search(cfg, gpus, workload(seq_len), gpu, even_stages=False)
+    # Without fsdp on both sides: the paper's system and its Megatron baseline shard
+    # state by the distributed optimizer (ZeRO-1) alone, and the table measures the gain
+    # of heterogeneity; with fsdp searched for the heterogeneous plans only, a row's gain
+    # would mix in the LLM's fsdp gain (vit-1b + llm-14b: +15.4%, all of it fsdp's).
+    # ``experiments.plan`` and ``--layout auto`` search fsdp.
+    return search(cfg, gpus, workload(seq_len), gpu, even_stages=False, fsdp=False)
 
 
 def summary(
