@@ -7,9 +7,19 @@ CPU (the default): times small programs on the simulated devices, all of them at
 (they share the host's cores, as in training), the fastest of the calls timed in the
 rounds of the executor rows below, the programs in turn (:class:`Probes`):
 
-- a dense layer's forward and backward (``[tokens, w] @ [w, w]``, its input and weight
-  gradients: the matmul shapes training runs) per device at ``WIDTHS``: ``R w / (w + k)``
-  (:func:`hetjax.plan.calibrate.fit_matmul`) gives ``peak_tflops`` and ``matmul_knee``;
+- stacks of ``LAYERS`` transformer-like MLP blocks (``h + gelu(h W1) W2``, ``h`` of
+  ``[T, D]`` rows per device, ``W1`` of ``[D, F]``), scanned (``lax.scan``) as a stage
+  scans its blocks, their forward a ``jax.vjp`` program that returns the residuals and
+  their backward a second program that applies them, as the engine's stage programs do
+  (:mod:`hetjax.runtime.vjp`), at the per-device shapes ``BLOCKS`` of the ``tiny`` and
+  ``small`` presets' stages and their TP shards: less the element-wise bytes the cost
+  model prices for them, ``R n / (n + k)`` (:func:`hetjax.plan.calibrate.fit_matmul`,
+  ``n = min(T, D, F)`` as :mod:`hetjax.plan.stage` reads it) gives ``peak_tflops`` and
+  ``matmul_knee``;
+- plain attention's forward (a vjp program) and backward at ``ATTENTION`` (the tiny
+  LLM's and ViT's and the small LLM's, each at two sample counts): less its matmuls at
+  the curve, the passes over its score matrix at the memory rate give ``score_passes``
+  (:func:`score_passes`: the softmax's exp and the mask cost more than its bytes);
 - an element-wise ``x * a + b`` at ``SIZES`` elements per device: the line through
   (bytes read and written, seconds) gives ``hbm_tbps``;
 - an all-reduce over every device at ``SIZES``: the line through (bytes each device
@@ -50,10 +60,41 @@ import platform
 import time
 from typing import Any
 
-WIDTHS = (8, 16, 32, 64, 128, 256, 512, 1024)  # 8: a tiny preset's head_dim
+# Per-device (rows T, width D, MLP width F) of the blocks the matmul curve is fitted on:
+# the tiny and small presets' stages as validate_plan runs them (tiny: ViT T 16-32, D 32,
+# F 64; LLM T 128-256, D 64, F 128; small: ViT T 64-128, D 384, F 1536; LLM T 256, D 512,
+# F 1536), their TP=2 shards (F / 2), and two between them.
+BLOCKS = (
+    (16, 32, 64),
+    (32, 32, 64),
+    (32, 32, 32),
+    (128, 64, 128),
+    (256, 64, 128),
+    (128, 64, 64),
+    (256, 64, 64),
+    (256, 128, 512),
+    (256, 256, 1024),
+    (64, 384, 1536),
+    (128, 384, 768),
+    (64, 384, 768),
+    (256, 512, 1536),
+    (256, 512, 768),
+)
+LAYERS = 2  # blocks per scanned stack
+# Plain attention per device (samples B, length L, heads H, kv heads G, head_dim K,
+# causal), each at two sample counts (the slope is the kernel's, the rest a fixed cost
+# per program): the tiny LLM's and ViT's and the small LLM's.
+ATTENTION = tuple(
+    (b * scale, l, h, g, k, causal)
+    for b, l, h, g, k, causal in (
+        (2, 64, 8, 4, 8, True),
+        (4, 16, 4, 4, 8, False),
+        (1, 128, 8, 4, 64, True),
+    )
+    for scale in (1, 4)
+)
 # float32 elements per device: from a tiny preset's activations (2**12-2**14) up
 SIZES = (2**10, 2**13, 2**16, 2**19, 2**22)
-TOKENS = 1024  # matmul rows per device
 PROBE_S = 0.2  # seconds a timed probe call lasts at least (back-to-back runs)
 CHAIN = (1, 33)  # all-reduces over device pairs in one program (TP's group), 4 KB each
 HBM_RATIO = 3.35 / 4.8  # H100 / H200 memory bandwidth (TB/s)
@@ -90,16 +131,28 @@ class Probes:
         n = self.n = len(devices)
         mesh = Mesh(np.asarray(devices), ("d",))
         put = lambda shape: jax.device_put(jnp.ones(shape), NamedSharding(mesh, P("d")))  # noqa: E731
-        # forward and backward of a dense layer, as training runs it: y = x W, dx, dW
-        dense = lambda a, b: jnp.sum(jnp.einsum("dtw,dwv->dtv", a, b) ** 2)  # noqa: E731
-        matmul = jax.jit(jax.grad(dense, argnums=(0, 1)))
+        # a stack of blocks, as a stage runs it: the forward program is the vjp (output and
+        # residuals), the backward program applies it to the output's cotangent
+        forward = jax.jit(lambda x, w: jax.vjp(_blocks, x, w))
+        backward = jax.jit(lambda vjp, g: vjp(g))
+        self.programs = []
+        for t, d, f in BLOCKS:
+            layers = NamedSharding(mesh, P(None, "d"))
+            w = [jax.device_put(jnp.full((LAYERS, n, *s), 0.01), layers) for s in ((d, f), (f, d))]
+            x = put((n, t, d))
+            y, vjp = forward(x, w)
+            self.programs += [(forward, (x, w)), (backward, (vjp, y))]
+        for b, l, h, g, k, causal in ATTENTION:
+            q, kv = put((n, b, l, h, k)), put((n, b, l, g, k))
+            attend = jax.jit(functools.partial(_attention_vjp, causal))
+            y, vjp = attend(q, kv, kv)
+            self.programs += [(attend, (q, kv, kv)), (backward, (vjp, y))]
         axpy = jax.jit(lambda x: x * 1.5 + 0.5)
         total = jax.jit(
             jax.shard_map(
                 lambda x: jax.lax.psum(x, "d"), mesh=mesh, in_specs=P("d"), out_specs=P("d")
             )
         )
-        self.programs = [(matmul, (put((n, TOKENS, w)), put((n, w, w)))) for w in WIDTHS]
         xs = [put((n, size)) for size in SIZES]
         self.programs += [(axpy, (x,)) for x in xs] + [(total, (x,)) for x in xs]
         pairs = Mesh(np.asarray(devices).reshape(-1, 2), ("a", "t"))
@@ -132,14 +185,18 @@ class Probes:
             out.append((time.perf_counter() - t0) / reps)
 
     def points(self, start: int = 0) -> dict[str, list]:
-        """Per device: matmul ``(width, flops, s)``, element-wise ``(bytes, s)`` and
-        all-reduce ``(bytes sent, s)`` points, each the fastest call of the rounds from
-        ``start`` on."""
+        """Per device: block ``(T, D, F, matmul flops, element-wise bytes, s)`` (forward
+        and backward together, fwd + bwd: :func:`block_point`), element-wise ``(bytes,
+        s)`` and all-reduce ``(bytes sent, s)`` points, each program's time the fastest
+        call of the rounds from ``start`` on."""
         t = [min(x[start:]) for x in self.times]
-        k, n, s = len(WIDTHS), self.n, len(SIZES)
+        fb = [a + b for a, b in zip(t[0::2], t[1::2], strict=False)]  # forward + backward
+        nb, na = len(BLOCKS), len(ATTENTION)
+        k, n, s = 2 * (nb + na), self.n, len(SIZES)
         return {
-            "matmul": [
-                (float(w), 6.0 * TOKENS * w * w, x) for w, x in zip(WIDTHS, t[:k], strict=True)
+            "blocks": [block_point(shape, x) for shape, x in zip(BLOCKS, fb[:nb], strict=True)],
+            "attention": [
+                (*shape[:5], x) for shape, x in zip(ATTENTION, fb[nb : nb + na], strict=True)
             ],
             "elementwise": [
                 (2.0 * 4 * size, x) for size, x in zip(SIZES, t[k : k + s], strict=True)
@@ -152,6 +209,69 @@ class Probes:
                 (float(c), x) for c, x in zip(CHAIN, t[k + 2 * s :], strict=True)
             ],
         }
+
+
+def _blocks(x: Any, w: list) -> Any:
+    """``LAYERS`` MLP blocks ``h + gelu(h W1) W2`` over ``lax.scan``, per device (``d``)."""
+    import jax
+    import jax.numpy as jnp
+
+    def block(h: Any, ws: Any) -> tuple:
+        up, down = ws
+        u = jax.nn.gelu(jnp.einsum("dtw,dwf->dtf", h, up))
+        return h + jnp.einsum("dtf,dfw->dtw", u, down), None
+
+    return jax.lax.scan(block, x, tuple(w))[0]
+
+
+def _attention_vjp(causal: bool, q: Any, k: Any, v: Any) -> tuple:
+    """The forward program of plain attention per device (``d``): output and vjp."""
+    import jax
+
+    from hetjax.ops.attention import attention
+
+    per_device = jax.vmap(lambda a, b, c: attention(a, b, c, causal=causal, kernel="plain"))
+    return jax.vjp(per_device, q, k, v)
+
+
+def score_passes(hw: Any, points: list) -> float:
+    """``score_passes`` of ``hw`` from plain attention ``(B, L, H, G, K, seconds)``
+    points (forward + backward): their QK^T and PV priced by ``hw``'s curve at ``K``
+    (:func:`hetjax.plan.stage.attention_kernel`), the rest a fixed cost per program plus
+    passes over the ``B H L^2`` float32 scores at ``hw``'s memory rate (the forward one
+    pass each, the backward two), by least squares on relative error."""
+    import numpy as np
+
+    from hetjax.plan.stage import attention_kernel
+
+    rows, rhs = [], []
+    for b, l, h, _, k, seconds in points:
+        rate, _ = attention_kernel(hw, 4, k, b * l)
+        matmuls = 3 * 4.0 * b * l * l * h * k / rate
+        one_pass = hw.memory_seconds(3 * b * h * l * l * 4.0)
+        rows.append([2.0 / seconds, one_pass / seconds])  # two programs' fixed cost
+        rhs.append(1.0 - matmuls / seconds)
+    (_, passes), *_ = np.linalg.lstsq(np.asarray(rows), np.asarray(rhs), rcond=None)
+    return max(float(passes), 0.0)
+
+
+def block_point(shape: tuple, seconds: float) -> tuple:
+    """``(T, D, F, flops, bytes, seconds)`` of a block stack's forward and backward per
+    device: its matmul FLOPs (3 x the forward's ``2 x 2 T D F`` per block) and the
+    element-wise bytes the cost model prices for it (:func:`hetjax.plan.stage
+    .elementwise_elements`' terms: the residual add ``3 D`` and GELU ``2 F`` elements
+    per token, float32; the backward twice the forward's)."""
+    t, d, f = shape
+    flops = 3 * LAYERS * 4.0 * t * d * f
+    nbytes = 3 * LAYERS * t * (3 * d + 2 * f) * 4.0
+    return (float(t), float(d), float(f), flops, nbytes, seconds)
+
+
+def matmul_points(blocks: list, bytes_per_s: float) -> list:
+    """``(n, flops, seconds)`` of the block points for the matmul curve: ``n = min(T, D,
+    F)`` (the smallest per-device dimension, as the cost model reads it) and the seconds
+    less the element-wise bytes at ``bytes_per_s`` (priced apart by the cost model)."""
+    return [(min(t, d, f), flops, s - nbytes / bytes_per_s) for t, d, f, flops, nbytes, s in blocks]
 
 
 def _chain(k: int, x: Any) -> Any:
@@ -230,8 +350,9 @@ def micro_profile(points: dict[str, list], devices: int) -> tuple[Any, dict]:
     from hetjax.plan import get_profile
     from hetjax.plan.calibrate import fit_line, fit_matmul
 
-    mm = fit_matmul(points["matmul"])
     ew, ar = fit_line(points["elementwise"]), fit_line(points["all_reduce"])
+    points = {**points, "matmul": matmul_points(points["blocks"], ew.rate)}
+    mm = fit_matmul(points["matmul"])
     chain = fit_line(points["chained_all_reduces"])
     hw = dataclasses.replace(
         get_profile("cpu"),
@@ -246,6 +367,8 @@ def micro_profile(points: dict[str, list], devices: int) -> tuple[Any, dict]:
         latency_us=1e6 / chain.rate,  # seconds per all-reduce issued inside a program
         gpus_per_node=devices,
     )
+    if points.get("attention"):
+        hw = dataclasses.replace(hw, score_passes=score_passes(hw, points["attention"]))
     record = {
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
         "host_cores": os.cpu_count(),

@@ -336,6 +336,8 @@ def main(config: ValidateConfig) -> dict:
         f"tau {s['kendall_tau_vs_median']:.2f}"
     )
     out = {"rows": rows, "summary": s, "profile": dataclasses.asdict(hw)}
+    if calibrating:  # what the profile was fitted on: points, worst errors, executor rows
+        out["fitted_on"] = record
     from experiments.cli import write_json
 
     write_json(config.json, out)

@@ -41,6 +41,8 @@ def fit_matmul(samples: Sequence[tuple[float, float, float]]) -> Fit:
     A program call also has a fixed cost (the executor's is priced per call, as
     ``dispatch_us``), so the fit is ``t = c + F / R + F k / (R w)``: least squares over
     ``(1, F, F / w)``; with fewer than three widths, the line of the module doc (no ``c``).
+    Where the points give a negative knee (no width runs slower than the wide ones but
+    for the fixed cost), the knee is 0 and ``c`` and ``R`` are fitted again without it.
 
     Raises:
         ValueError: fewer than two distinct widths, or a fit without a positive rate.
@@ -49,10 +51,11 @@ def fit_matmul(samples: Sequence[tuple[float, float, float]]) -> Fit:
     if len(set(w.tolist())) < 2:
         raise ValueError("calibration needs matmuls of at least two different widths")
     if len(set(w.tolist())) >= 3:
-        (fixed, inv_rate, knee_rate), *_ = np.linalg.lstsq(  # relative error, as fit_line
-            np.stack([np.ones_like(f), f, f / w], 1) / t[:, None], np.ones_like(t), rcond=None
-        )
-        slope, intercept = inv_rate, knee_rate
+        a = np.stack([np.ones_like(f), f, f / w], 1) / t[:, None]  # relative error
+        (fixed, slope, intercept), *_ = np.linalg.lstsq(a, np.ones_like(t), rcond=None)
+        if intercept < 0:  # no knee: the fixed cost and the rate alone
+            (fixed, slope), *_ = np.linalg.lstsq(a[:, :2], np.ones_like(t), rcond=None)
+            intercept = 0.0
         fixed = max(float(fixed), 0.0)
     else:
         slope, intercept = np.polyfit(w, t * w / f, 1)

@@ -16,9 +16,9 @@ one constant here: a fixed host cost per program call and per transfer
 the fixed cost of a block's kernels on each device (``launch_us``), element-wise work by
 the bytes it moves (``hbm_tbps x memory_efficiency``), attention by
 its kernel (a fused kernel at ``fused_attention_efficiency`` of peak; plain attention as
-thin matmuls over ``head_dim`` plus its score matrix's bytes). ``shared_compute`` marks
-devices that share one pool of cores (JAX's simulated CPU devices): a step is then the
-sum of every device's work, not a pipeline makespan.
+thin matmuls over ``head_dim`` plus ``score_passes`` passes over its score matrix).
+``shared_compute`` marks devices that share one pool of cores (JAX's simulated CPU
+devices): a step is then the sum of every device's work, not a pipeline makespan.
 
 Profiles are data: :func:`load_profile` reads one written by ``python -m
 experiments.calibrate`` (``hetjax/plan/profiles/*.json``, which say what they were
@@ -52,6 +52,10 @@ class HardwareProfile:
     launch_us: float = 0.0  # fixed cost of one block's kernels per pass per device, us
     memory_efficiency: float = 0.8  # fraction of hbm_tbps element-wise kernels reach
     fused_attention_efficiency: float = 0.0  # fused attention kernel, fraction of peak (0: none)
+    # plain attention: passes over its score matrix per forward (the backward twice),
+    # priced as memory traffic; 4 counts the bytes (written, softmax read and write, read
+    # by PV), a calibrated value also the softmax's arithmetic (exp) and its masking
+    score_passes: float = 4.0
     shared_compute: bool = False  # devices share the host's cores (simulated CPU devices)
 
     @property

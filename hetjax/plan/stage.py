@@ -29,7 +29,7 @@ What is not a weight matmul (the time model; each rate is a
 :class:`~hetjax.plan.hardware.HardwareProfile` constant): attention's ``QK^T`` and ``PV``
 run as a fused kernel at its own rate where the device has one (BF16 on GPU), else as
 thin matmuls (contracting over ``head_dim``) whose score matrix is written, softmaxed
-and read again (``SCORE_PASSES`` passes over ``heads x keys`` elements per token);
+and read again (``hw.score_passes`` passes over ``heads x keys`` elements per token);
 norms, residual adds and the MLP's activation move ``10 D + mats F`` elements per token
 and layer (:func:`elementwise_elements`), the loss head's softmax and its gradient
 ``LOSS_PASSES`` FP32 passes over the vocabulary. Backward moves twice the forward's
@@ -53,19 +53,18 @@ from .hardware import HardwareProfile
 from .memory import BF16, FP32, OPTIMIZER_BYTES, StageMemory, stage_memory
 from .parts import ModuleShape
 
-SCORE_PASSES = 4  # plain attention: scores written, read and written by softmax, read by PV
 LOSS_PASSES = (2, 3)  # FP32 passes over the logits: forward (softmax), backward
 
 
 def attention_kernel(
     hw: HardwareProfile, act_bytes: int, head_dim: float, tokens: float
-) -> tuple[float, int]:
+) -> tuple[float, float]:
     """FLOP/s of attention's ``QK^T`` and ``PV`` on one device, and the passes over the
     score matrix that go to memory: a fused kernel's rate and none, or plain attention's
-    thin matmuls (the curve at ``head_dim``) and ``SCORE_PASSES``."""
+    thin matmuls (the curve at ``head_dim``) and ``hw.score_passes``."""
     if hw.fused_attention(act_bytes):
         return hw.peak_tflops * hw.fused_attention_efficiency * 1e12, 0
-    return hw.matmul_tflops(min(head_dim, tokens)) * 1e12, SCORE_PASSES
+    return hw.matmul_tflops(min(head_dim, tokens)) * 1e12, hw.score_passes
 
 
 def exposed(comm: float, compute: float, hw: HardwareProfile) -> float:

@@ -34,17 +34,22 @@ def test_probes_keep_the_fastest_call_of_their_rounds(monkeypatch):
 
     from experiments import calibrate
 
-    monkeypatch.setattr(calibrate, "WIDTHS", (8, 16))
+    monkeypatch.setattr(calibrate, "BLOCKS", ((8, 16, 32), (16, 8, 8)))
+    monkeypatch.setattr(calibrate, "ATTENTION", ((2, 8, 2, 1, 4, True),))
     monkeypatch.setattr(calibrate, "SIZES", (16, 64))
     probes = calibrate.Probes(jax.devices(), call_s=0.0)
     probes.time_once()
-    assert probes.rounds == 1 and len(probes.times) == 8  # 2 matmuls, axpys, sums, chains
+    # 2 block stacks and an attention (forward and backward programs each), axpys, sums,
+    # chains
+    assert probes.rounds == 1 and len(probes.times) == 12
     probes.times = [[3.0, 1.0, 2.0] for _ in probes.times]  # rounds 0, 1, 2
     points = probes.points()
-    assert points["matmul"] == [
-        (8.0, 6.0 * calibrate.TOKENS * 64, 1.0),
-        (16.0, 6.0 * calibrate.TOKENS * 256, 1.0),
+    layers = calibrate.LAYERS
+    assert points["blocks"] == [  # forward + backward: the fastest of each, summed
+        (8.0, 16.0, 32.0, 12.0 * layers * 8 * 16 * 32, 12.0 * layers * 8 * (48 + 64), 2.0),
+        (16.0, 8.0, 8.0, 12.0 * layers * 16 * 8 * 8, 12.0 * layers * 16 * (24 + 16), 2.0),
     ]
+    assert points["attention"] == [(2, 8, 2, 1, 4, 2.0)]
     assert [s for _, s in points["elementwise"]] == [1.0, 1.0]
     assert [s for _, s in probes.points(start=2)["all_reduce"]] == [2.0, 2.0]  # a later group
     assert probes.points()["chained_all_reduces"] == [(1.0, 1.0), (33.0, 1.0)]
@@ -54,11 +59,41 @@ def test_latency_is_the_time_per_collective_a_program_issues():
     from experiments import calibrate
 
     points = {
-        "matmul": [(w, 6.0 * w * w, 1e-3 + 6.0 * w * w / 1e10) for w in (8, 64, 512)],
+        "blocks": [
+            (w, w, 4 * w, 48.0 * w**3, 0.0, 1e-3 + 48.0 * w**3 / 1e10) for w in (8, 64, 512)
+        ],
         "elementwise": [(n, 1e-4 + n / 1e9) for n in (1e3, 1e6)],
         "all_reduce": [(n, 2e-4 + n / 1e9) for n in (1e3, 1e6)],
         "chained_all_reduces": [(1.0, 2e-4 + 3e-5), (33.0, 2e-4 + 33 * 3e-5)],
     }
     hw, record = calibrate.micro_profile(points, 8)
     assert hw.latency_us == pytest.approx(30.0)  # not the program's set-up (200 us)
-    assert record["points"] is points and hw.gpus_per_node == 8
+    assert record["points"]["blocks"] is points["blocks"] and hw.gpus_per_node == 8
+    assert hw.peak_tflops == pytest.approx(0.01) and hw.matmul_knee == pytest.approx(0.0, abs=1e-6)
+
+
+def test_block_points_leave_the_elementwise_bytes_to_the_memory_rate():
+    from experiments import calibrate
+
+    # 1 ms of matmuls at 10 GFLOP/s per block stack, plus its bytes at 1 GB/s
+    blocks = [calibrate.block_point((t, d, f), 0.0) for t, d, f in ((16, 32, 64), (256, 512, 768))]
+    blocks = [(*b[:5], b[3] / 1e10 + b[4] / 1e9) for b in blocks]
+    assert calibrate.matmul_points(blocks, 1e9) == [
+        (16.0, blocks[0][3], pytest.approx(blocks[0][3] / 1e10)),
+        (256.0, blocks[1][3], pytest.approx(blocks[1][3] / 1e10)),
+    ]
+
+
+def test_score_passes_are_what_plain_attention_costs_beyond_its_matmuls():
+    import dataclasses
+
+    from experiments import calibrate
+    from hetjax.plan.stage import attention_kernel
+
+    hw = dataclasses.replace(get_profile("cpu"), score_passes=4.0)
+    points = []
+    for b, l, h, g, k in ((2, 64, 8, 4, 8), (8, 64, 8, 4, 8), (1, 128, 8, 4, 64)):
+        matmuls = 12.0 * b * l * l * h * k / attention_kernel(hw, 4, k, b * l)[0]
+        scores = hw.memory_seconds(3 * b * h * l * l * 4.0)
+        points.append((b, l, h, g, k, 2 * 3e-4 + matmuls + 11.0 * scores))
+    assert calibrate.score_passes(hw, points) == pytest.approx(11.0)
