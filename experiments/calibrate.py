@@ -20,6 +20,14 @@ rounds of the executor rows below, the programs in turn (:class:`Probes`):
   LLM's and ViT's and the small LLM's, each at two sample counts): less its matmuls at
   the curve, the passes over its score matrix at the memory rate give ``score_passes``
   (:func:`score_passes`: the softmax's exp and the mask cost more than its bytes);
+- the models' own blocks (``MODEL_BLOCKS``: ``LAYERS`` blocks of the tiny, tiny-moe and
+  small presets' ViT and LLM as their ``StagedModule`` runs them, norms, RoPE,
+  projections, SwiGLU or GELU and routed experts included), each at two sample counts:
+  less their matmuls and score passes as priced above and a fixed cost per program
+  pair of each kind, the rest gives ``elementwise_scale`` (what their element-wise work
+  costs over its bytes at the memory rate) and ``moe_buffer_passes`` (passes over an MoE
+  layer's dispatch buffers) (:func:`block_terms`; the curve, which leaves the MLP
+  blocks' element-wise bytes to that scale, is fitted again with it, a few rounds);
 - an element-wise ``x * a + b`` at ``SIZES`` elements per device: the line through
   (bytes read and written, seconds) gives ``hbm_tbps``;
 - an all-reduce over every device at ``SIZES``: the line through (bytes each device
@@ -93,6 +101,22 @@ ATTENTION = tuple(
     )
     for scale in (1, 4)
 )
+# The models' own blocks (their StagedModule: norms, RoPE, q/k/v/o projections, SwiGLU or
+# GELU, routed experts), (preset, part, samples per device), each at two sample counts
+# (the slope is the work, the rest a fixed cost per program): what they cost beyond the
+# matmuls and score passes priced above gives elementwise_scale and moe_buffer_passes.
+MODEL_BLOCKS = tuple(
+    (preset, part, samples)
+    for preset, part in (
+        ("tiny", "vision"),
+        ("tiny", "llm"),
+        ("tiny-moe", "llm"),
+        ("small", "vision"),
+        ("small", "llm"),
+    )
+    for samples in ((1, 2) if preset == "small" else (1, 4))
+)
+BLOCK_TERMS = ("elementwise", "moe", "moe_launch", "weights")  # block_terms fits these
 # float32 elements per device: from a tiny preset's activations (2**12-2**14) up
 SIZES = (2**10, 2**13, 2**16, 2**19, 2**22)
 PROBE_S = 0.2  # seconds a timed probe call lasts at least (back-to-back runs)
@@ -147,6 +171,10 @@ class Probes:
             attend = jax.jit(functools.partial(_attention_vjp, causal))
             y, vjp = attend(q, kv, kv)
             self.programs += [(attend, (q, kv, kv)), (backward, (vjp, y))]
+        for preset, part, samples in MODEL_BLOCKS:
+            params, x, stack = _model_stack(preset, part, samples, mesh)
+            y, vjp = stack(params, x)
+            self.programs += [(stack, (params, x)), (backward, (vjp, y))]
         axpy = jax.jit(lambda x: x * 1.5 + 0.5)
         total = jax.jit(
             jax.shard_map(
@@ -191,12 +219,15 @@ class Probes:
         call of the rounds from ``start`` on."""
         t = [min(x[start:]) for x in self.times]
         fb = [a + b for a, b in zip(t[0::2], t[1::2], strict=False)]  # forward + backward
-        nb, na = len(BLOCKS), len(ATTENTION)
-        k, n, s = 2 * (nb + na), self.n, len(SIZES)
+        nb, na, nm = len(BLOCKS), len(ATTENTION), len(MODEL_BLOCKS)
+        k, n, s = 2 * (nb + na + nm), self.n, len(SIZES)
         return {
             "blocks": [block_point(shape, x) for shape, x in zip(BLOCKS, fb[:nb], strict=True)],
             "attention": [
                 (*shape[:5], x) for shape, x in zip(ATTENTION, fb[nb : nb + na], strict=True)
+            ],
+            "model_blocks": [
+                (*b, x) for b, x in zip(MODEL_BLOCKS, fb[nb + na : nb + na + nm], strict=True)
             ],
             "elementwise": [
                 (2.0 * 4 * size, x) for size, x in zip(SIZES, t[k : k + s], strict=True)
@@ -234,6 +265,103 @@ def _attention_vjp(causal: bool, q: Any, k: Any, v: Any) -> tuple:
     return jax.vjp(per_device, q, k, v)
 
 
+def _model_stack(preset: str, part: str, samples: int, mesh: Any) -> tuple:
+    """``LAYERS`` blocks of ``part`` (``llm`` or ``vision``) of ``preset`` as the models
+    build them (their own ``StagedModule.apply_blocks``), per device (``d``, weights
+    per device as a replica's gradients are): the stacked parameters, ``samples``
+    samples of input and the forward program (a vjp, as :class:`Probes`' blocks)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from models.config import get_preset
+    from models.encoders import make_encoder
+    from models.llm import make_llm
+
+    cfg = get_preset(preset)
+    if part == "llm":
+        module = make_llm(dataclasses.replace(cfg.llm, depth=LAYERS), {"image": 0})
+        tokens, width = cfg.seq_len, cfg.llm.width
+    else:
+        module = make_encoder("vision", dataclasses.replace(cfg.vision, depth=LAYERS))
+        tokens, width = cfg.vision.block_tokens, cfg.vision.width
+    n, split = mesh.size, NamedSharding(mesh, P("d"))
+    per = lambda a: jax.device_put(jnp.broadcast_to(a, (n, *a.shape)), split)  # noqa: E731
+    params = jax.tree.map(per, module.init(jax.random.key(0))["blocks"])
+    x = jax.random.normal(jax.random.key(1), (n, samples, tokens, width))
+    per_device = jax.vmap(lambda p, h: module.apply_blocks(p, h))
+    return params, jax.device_put(x, split), jax.jit(lambda p, h: jax.vjp(per_device, p, h))
+
+
+def model_block_parts(hw: Any, preset: str, part: str, samples: int) -> dict[str, float]:
+    """Seconds ``hw``'s cost model prices for a :data:`MODEL_BLOCKS` stack, forward and
+    backward on one device without launch costs, by term: ``compute`` (weight and
+    attention matmuls), ``scores`` (plain attention's score passes), ``elementwise``
+    (the blocks' element-wise bytes at ``elementwise_scale`` 1) and ``moe`` (one pass
+    over the MoE dispatch buffers)."""
+    from hetjax import Layout
+    from hetjax.plan import ModulePlan
+    from hetjax.plan.parts import encoder_shape, llm_shape
+    from hetjax.plan.stage import module_stages
+    from models.config import get_preset
+
+    cfg = get_preset(preset)
+    shape = llm_shape(cfg, cfg.seq_len, True) if part == "llm" else encoder_shape(cfg)
+    shape = dataclasses.replace(shape, depth=LAYERS, first_flops=0.0, last_flops=0.0)
+    zero = dict(launch_us=0.0, moe_launch_us=0.0, score_passes=0.0, weight_passes=0.0)
+    zero |= dict(elementwise_scale=0.0, moe_buffer_passes=0.0)
+
+    def price(**fields: float) -> float:
+        h = dataclasses.replace(hw, **{**zero, **fields})
+        plan = ModulePlan(Layout())
+        st = module_stages(
+            shape, plan, samples=samples, microbatches=1, live=[1], hw=h, act_bytes=4
+        )
+        return st[0].forward_s + st[0].backward_s
+
+    compute = price()
+    return {
+        "compute": compute,
+        "scores": price(score_passes=hw.score_passes) - compute,
+        "elementwise": price(elementwise_scale=1.0) - compute,
+        "moe": price(moe_buffer_passes=1.0) - compute,
+        "moe_launch": price(moe_launch_us=1.0) - compute,
+        "weights": price(weight_passes=1.0) - compute,
+    }
+
+
+def block_terms(hw: Any, points: list, fit: tuple = BLOCK_TERMS) -> tuple[dict, list[dict]]:
+    """What :data:`MODEL_BLOCKS` points ``(preset, part, samples, seconds)`` (forward +
+    backward) cost beyond ``hw``'s price, as coefficients of its terms
+    (:func:`model_block_parts`): each point's time is a fixed cost per program pair
+    plus each term of ``fit`` times its coefficient (``elementwise``:
+    ``elementwise_scale``; ``moe``: ``moe_buffer_passes``; ``moe_launch``:
+    ``moe_launch_us``; ``weights``: ``weight_passes``; ``compute``: a factor on the
+    matmuls' time) and the other terms as priced; non-negative least squares on
+    relative error. Returns the coefficients (every term; where not fitted, as priced:
+    1 for ``compute``, ``scores`` and ``elementwise``, else 0) and per point what it was
+    priced at."""
+    import numpy as np
+    from scipy.optimize import nnls
+
+    parts = [model_block_parts(hw, p, q, n) for p, q, n, _ in points]
+    t = np.asarray([x[-1] for x in points])
+    a = np.asarray([[1.0] + [c[term] for term in fit] for c in parts])
+    coef: dict = dict.fromkeys(parts[0], 0.0) | dict(compute=1.0, scores=1.0, elementwise=1.0)
+    rest = np.asarray([sum(v * c[k] for k, v in coef.items() if k not in fit) for c in parts])
+    x, _ = nnls(a / t[:, None], 1.0 - rest / t)
+    coef.update({term: float(v) for term, v in zip(fit, x[1:], strict=True)})
+    coef["fixed_s"] = float(x[0])
+    rows = []
+    for (p, q, n, seconds), c in zip(points, parts, strict=True):
+        priced = sum(coef[k] * v for k, v in c.items())
+        error = (priced + x[0]) / seconds - 1
+        rows.append({"block": f"{p} {q} x{n}", "measured_s": seconds, "priced_s": priced, **c})
+        rows[-1] |= {"fixed_s": float(x[0]), "error": float(error)}
+    return coef, rows
+
+
 def score_passes(hw: Any, points: list) -> float:
     """``score_passes`` of ``hw`` from plain attention ``(B, L, H, G, K, seconds)``
     points (forward + backward): their QK^T and PV priced by ``hw``'s curve at ``K``
@@ -267,11 +395,15 @@ def block_point(shape: tuple, seconds: float) -> tuple:
     return (float(t), float(d), float(f), flops, nbytes, seconds)
 
 
-def matmul_points(blocks: list, bytes_per_s: float) -> list:
+def matmul_points(blocks: list, bytes_per_s: float, scale: float = 1.0) -> list:
     """``(n, flops, seconds)`` of the block points for the matmul curve: ``n = min(T, D,
     F)`` (the smallest per-device dimension, as the cost model reads it) and the seconds
-    less the element-wise bytes at ``bytes_per_s`` (priced apart by the cost model)."""
-    return [(min(t, d, f), flops, s - nbytes / bytes_per_s) for t, d, f, flops, nbytes, s in blocks]
+    less the element-wise bytes at ``bytes_per_s`` (priced apart by the cost model, at
+    ``scale`` times their bytes: ``elementwise_scale``)."""
+    return [
+        (min(t, d, f), flops, s - scale * nbytes / bytes_per_s)
+        for t, d, f, flops, nbytes, s in blocks
+    ]
 
 
 def _chain(k: int, x: Any) -> Any:
@@ -351,14 +483,10 @@ def micro_profile(points: dict[str, list], devices: int) -> tuple[Any, dict]:
     from hetjax.plan.calibrate import fit_line, fit_matmul
 
     ew, ar = fit_line(points["elementwise"]), fit_line(points["all_reduce"])
-    points = {**points, "matmul": matmul_points(points["blocks"], ew.rate)}
-    mm = fit_matmul(points["matmul"])
     chain = fit_line(points["chained_all_reduces"])
     hw = dataclasses.replace(
         get_profile("cpu"),
-        peak_tflops=mm.tflops,
         matmul_efficiency=1.0,
-        matmul_knee=mm.knee,
         hbm_tbps=ew.rate / 1e12,
         memory_efficiency=1.0,
         nvlink_gbps=ar.rate / 1e9,
@@ -366,9 +494,34 @@ def micro_profile(points: dict[str, list], devices: int) -> tuple[Any, dict]:
         comm_efficiency=1.0,
         latency_us=1e6 / chain.rate,  # seconds per all-reduce issued inside a program
         gpus_per_node=devices,
+        elementwise_scale=1.0,
+        moe_buffer_passes=0.0,
+        moe_launch_us=0.0,
+        weight_passes=0.0,
     )
-    if points.get("attention"):
-        hw = dataclasses.replace(hw, score_passes=score_passes(hw, points["attention"]))
+    # The curve leaves the MLP blocks' element-wise bytes to elementwise_scale, which the
+    # models' blocks then fit given the curve: a few rounds of both (a fixed point).
+    # (With "compute" in BLOCK_TERMS, the models' blocks also scale the curve's rate.)
+    blocks, rows, slower = points.get("model_blocks"), [], 1.0
+    for _ in range(4 if blocks else 1):
+        points = {
+            **points,
+            "matmul": matmul_points(points["blocks"], ew.rate, hw.elementwise_scale),
+        }
+        mm = fit_matmul(points["matmul"])
+        hw = dataclasses.replace(hw, peak_tflops=mm.tflops / slower, matmul_knee=mm.knee)
+        if points.get("attention"):
+            hw = dataclasses.replace(hw, score_passes=score_passes(hw, points["attention"]))
+        if blocks:
+            coef, rows = block_terms(hw, blocks)
+            slower *= coef["compute"]
+            hw = dataclasses.replace(
+                hw,
+                elementwise_scale=coef["elementwise"],
+                moe_buffer_passes=coef["moe"],
+                moe_launch_us=coef["moe_launch"],
+                weight_passes=coef["weights"],
+            )
     record = {
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
         "host_cores": os.cpu_count(),
@@ -381,6 +534,8 @@ def micro_profile(points: dict[str, list], devices: int) -> tuple[Any, dict]:
             "elementwise": ew.max_rel_error,
             "all_reduce": ar.max_rel_error,
         },
+        "model_blocks": rows,  # per model-block point: measured, priced by term, error
+        "model_block_matmul_factor": slower,  # the MLP blocks' curve's time x this
     }
     return hw, record
 
@@ -508,7 +663,10 @@ def describe(hw: Any) -> str:
         f"matmul {hw.peak_tflops * hw.matmul_efficiency * 1e3:.3g} GFLOP/s knee "
         f"{hw.matmul_knee:.0f}, memory {hw.hbm_tbps * hw.memory_efficiency * 1e3:.3g} GB/s, "
         f"link {hw.link_gbps(False):.3g} GB/s + {hw.latency_us:.0f} us, dispatch "
-        f"{hw.dispatch_us:.0f} us per call, launch {hw.launch_us:.0f} us per block pass"
+        f"{hw.dispatch_us:.0f} us per call, launch {hw.launch_us:.0f} us per block pass, "
+        f"score passes {hw.score_passes:.3g}, element-wise x{hw.elementwise_scale:.3g}, MoE "
+        f"buffer passes {hw.moe_buffer_passes:.3g} + {hw.moe_launch_us:.0f} us per block pass, "
+        f"weight passes {hw.weight_passes:.3g}"
     )
 
 

@@ -16,7 +16,11 @@ one constant here: a fixed host cost per program call and per transfer
 the fixed cost of a block's kernels on each device (``launch_us``), element-wise work by
 the bytes it moves (``hbm_tbps x memory_efficiency``), attention by
 its kernel (a fused kernel at ``fused_attention_efficiency`` of peak; plain attention as
-thin matmuls over ``head_dim`` plus ``score_passes`` passes over its score matrix).
+thin matmuls over ``head_dim`` plus ``score_passes`` passes over its score matrix), a
+block's element-wise bytes times ``elementwise_scale``, ``weight_passes`` over a trained
+stage's block weights per backward, and an MoE layer's dispatch buffers at
+``moe_buffer_passes`` plus ``moe_launch_us`` per block pass (on the GPU profiles 1, 0, 0
+and 0: the bytes alone, as before these were fitted on CPU).
 ``shared_compute`` marks devices that share one pool of cores (JAX's simulated CPU
 devices): a step is then the sum of every device's work, not a pipeline makespan.
 
@@ -56,6 +60,17 @@ class HardwareProfile:
     # priced as memory traffic; 4 counts the bytes (written, softmax read and write, read
     # by PV), a calibrated value also the softmax's arithmetic (exp) and its masking
     score_passes: float = 4.0
+    # a block's element-wise work (norms, residual adds, activation: elementwise_elements)
+    # costs this many times its bytes at the memory rate; 1 counts the bytes, a
+    # calibrated value also the transcendental ops (rsqrt, exp, sin/cos) and copies
+    elementwise_scale: float = 1.0
+    # passes over an MoE layer's [E, C, D] dispatch buffers per forward (the backward
+    # twice) at the memory rate: filling, scattering into and gathering from them
+    moe_buffer_passes: float = 0.0
+    moe_launch_us: float = 0.0  # an MoE layer's routing kernels: fixed cost per pass, us
+    # passes over a trained stage's block weights per backward at the memory rate: its
+    # weight gradients written and moved (0: only the optimizer's passes, as on GPU)
+    weight_passes: float = 0.0
     shared_compute: bool = False  # devices share the host's cores (simulated CPU devices)
 
     @property

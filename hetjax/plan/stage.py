@@ -31,7 +31,11 @@ run as a fused kernel at its own rate where the device has one (BF16 on GPU), el
 thin matmuls (contracting over ``head_dim``) whose score matrix is written, softmaxed
 and read again (``hw.score_passes`` passes over ``heads x keys`` elements per token);
 norms, residual adds and the MLP's activation move ``10 D + mats F`` elements per token
-and layer (:func:`elementwise_elements`), the loss head's softmax and its gradient
+and layer (:func:`elementwise_elements`) at ``hw.elementwise_scale`` times their bytes,
+an MoE layer's dispatch buffers (``top_k`` executed slots of ``D`` per token)
+``hw.moe_buffer_passes`` passes (and ``hw.moe_launch_us`` per MoE block and pass), a
+trained stage's backward ``hw.weight_passes`` over its block weights (their gradients
+written and moved), the loss head's softmax and its gradient
 ``LOSS_PASSES`` FP32 passes over the vocabulary. Backward moves twice the forward's
 bytes. Each block (and the embedding or head) costs ``launch_us`` per forward pass on
 every device, twice in the backward: the fixed cost of its kernels, whatever their
@@ -184,6 +188,10 @@ def module_stages(
     attn_rate, passes = attention_kernel(hw, act_bytes, shape.q_width / shape.heads, tokens)
     scores = passes * shape.heads / tp * shape.tokens  # score elements moved per token
     elementwise = tokens * layers * (elementwise_elements(shape, tp, sp=plan.sequence_parallel))
+    elementwise *= hw.elementwise_scale
+    # an MoE layer's [E, C, D] dispatch buffers (executed slots), filled and read per pass
+    moe_buf = (shape.experts > 1) * tokens * layers * shape.top_k * shape.width * act_bytes
+    moe_buf *= hw.moe_buffer_passes
     trains = not plan.frozen
     runs_backward = trains or upstream_trains
     for s in range(pp):
@@ -192,10 +200,11 @@ def module_stages(
         attention = lane * layers * shape.attention_flops / (tp * split) / attn_rate
         weights = lane * (per_lane - layers * shape.attention_flops) / (tp * split) / rate
         compute = weights + attention
-        ew_bytes = (elementwise + tokens * layers * scores) * act_bytes
+        ew_bytes = (elementwise + tokens * layers * scores) * act_bytes + moe_buf
         loss_bytes = tokens * vocab / tp * FP32 if vocab and last else 0.0
         # Kernel launches: the stage's blocks, plus its embedding or head, once per pass.
         launch = (layers + (first or last)) * hw.launch_us * 1e-6
+        launch += (shape.experts > 1) * layers * hw.moe_launch_us * 1e-6  # routing kernels
         memory_f = hw.memory_seconds(ew_bytes + LOSS_PASSES[0] * loss_bytes) + launch
         memory_b = hw.memory_seconds(2 * ew_bytes + LOSS_PASSES[1] * loss_bytes) + 2 * launch
         # TP collectives per pass: two per block forward (after attention and MLP), the
@@ -218,6 +227,9 @@ def module_stages(
         forward = compute + memory_f + tp_f + exposed(ring, attention, hw) + a2a
         # A frozen module's backward is its input gradients: one forward's matmuls.
         backward = (2 if trains else 1) * compute + memory_b + tp_b + a2a
+        # the blocks' weight gradients written and moved (hw.weight_passes; 0 on GPU)
+        held = layers * (shape.layer_params - shape.expert_params * (1 - 1 / ep)) / tp / fsdp
+        backward += trains * hw.memory_seconds(held * FP32 * hw.weight_passes)
         backward += exposed(2 * ring, 2 * attention, hw)
         if plan.recompute == "full":
             backward += forward
@@ -228,6 +240,7 @@ def module_stages(
             scores_s = hw.memory_seconds(tokens * layers * scores * act_bytes)
             core = attention + scores_s
             backward += core + exposed(ring, core, hw) + expert_s + a2a
+            backward += hw.memory_seconds(moe_buf)
         backward *= runs_backward
         fwd_comm: dict[str, float] = defaultdict(float)
         bwd_comm: dict[str, float] = defaultdict(float)

@@ -37,6 +37,7 @@ def test_probes_keep_the_fastest_call_of_their_rounds(monkeypatch):
     monkeypatch.setattr(calibrate, "BLOCKS", ((8, 16, 32), (16, 8, 8)))
     monkeypatch.setattr(calibrate, "ATTENTION", ((2, 8, 2, 1, 4, True),))
     monkeypatch.setattr(calibrate, "SIZES", (16, 64))
+    monkeypatch.setattr(calibrate, "MODEL_BLOCKS", ())
     probes = calibrate.Probes(jax.devices(), call_s=0.0)
     probes.time_once()
     # 2 block stacks and an attention (forward and backward programs each), axpys, sums,
@@ -97,3 +98,24 @@ def test_score_passes_are_what_plain_attention_costs_beyond_its_matmuls():
         scores = hw.memory_seconds(3 * b * h * l * l * 4.0)
         points.append((b, l, h, g, k, 2 * 3e-4 + matmuls + 11.0 * scores))
     assert calibrate.score_passes(hw, points) == pytest.approx(11.0)
+
+
+def test_block_terms_are_what_the_models_blocks_cost_beyond_their_priced_matmuls():
+    import dataclasses
+
+    from experiments import calibrate
+
+    hw = dataclasses.replace(get_profile("cpu"), elementwise_scale=1.0, moe_buffer_passes=0.0)
+    points = []
+    for preset, part, n in calibrate.MODEL_BLOCKS:
+        c = calibrate.model_block_parts(hw, preset, part, n)
+        assert c["compute"] > 0 and c["elementwise"] > 0 and c["weights"] > 0
+        assert (c["moe"] > 0) == (c["moe_launch"] > 0) == (preset == "tiny-moe")
+        work = c["compute"] + c["scores"] + 3.0 * c["elementwise"] + 2.0 * c["moe"]
+        work += 900.0 * c["moe_launch"] + 5.0 * c["weights"]
+        points.append((preset, part, n, 2e-3 + work))
+    coef, rows = calibrate.block_terms(hw, points)
+    assert coef["elementwise"] == pytest.approx(3.0) and coef["moe"] == pytest.approx(2.0)
+    assert coef["moe_launch"] == pytest.approx(900.0) and coef["weights"] == pytest.approx(5.0)
+    assert coef["fixed_s"] == pytest.approx(2e-3)
+    assert max(abs(r["error"]) for r in rows) < 1e-6
