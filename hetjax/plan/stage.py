@@ -227,9 +227,11 @@ def module_stages(
         forward = compute + memory_f + tp_f + exposed(ring, attention, hw) + a2a
         # A frozen module's backward is its input gradients: one forward's matmuls.
         backward = (2 if trains else 1) * compute + memory_b + tp_b + a2a
+        # held: the blocks' dense part and 1 / ep of their experts
+        experts = layers * shape.expert_params
+        blocks = layers * shape.layer_params - experts * (1 - 1 / ep)
         # the blocks' weight gradients written and moved (hw.weight_passes; 0 on GPU)
-        held = layers * (shape.layer_params - shape.expert_params * (1 - 1 / ep)) / tp / fsdp
-        backward += trains * hw.memory_seconds(held * FP32 * hw.weight_passes)
+        backward += trains * hw.memory_seconds(blocks / tp / fsdp * FP32 * hw.weight_passes)
         backward += exposed(2 * ring, 2 * attention, hw)
         if plan.recompute == "full":
             backward += forward
@@ -261,9 +263,7 @@ def module_stages(
         if not first:
             act = buf / (tp if plan.sequence_parallel else 1)
             recv = collective_time("p2p", act, 2, crosses=pp_x, hw=hw)
-        params = layers * shape.layer_params + first * shape.first_params + last * shape.last_params
-        experts = layers * shape.expert_params
-        params -= experts * (1 - 1 / ep)  # held: the dense part and 1 / ep of the experts
+        params = blocks + first * shape.first_params + last * shape.last_params
         group = dp * cp
         grads = params / tp / fsdp * FP32
         if fsdp > 1:  # gathers and reduce-scatters per microbatch, float32 as stored
