@@ -113,32 +113,4 @@ if TYPE_CHECKING:
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "Executor",
-    "Observer",
-    "RunPlan",
-    "StepMetrics",
-    "TrainState",
-    "Trainer",
-    "apply_gpu_flags",
-    "clip_by_global_norm",
-    "gpu_flags",
-    "plan_run",
-    "JsonlWriter",
-    "Layout",
-    "LayoutError",
-    "Link",
-    "MetricsPlot",
-    "ModuleSpec",
-    "AdamWConfig",
-    "ParallelOptions",
-    "Params",
-    "ProgressBar",
-    "ReferenceTrainer",
-    "StagedModule",
-    "Summary",
-    "TensorBoardWriter",
-    "TrainGraph",
-    "make_optimizer",
-    "run_training",
-]
+__all__ = list(_EXPORTS)  # the names of the module docstring's API
