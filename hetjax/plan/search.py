@@ -32,8 +32,9 @@ its own candidates.
 Two homogeneous baselines (:data:`Baseline`), since gains depend on what they are against:
 ``best``, the fastest plan in which the encoder inherits the LLM's layout (the strongest
 homogeneous baseline a search finds), and ``paper``, the stock one the paper measures
-against: a Megatron user picks the LLM's layout for the LLM alone (the fastest that fits
-with the distributed optimizer, ZeRO-1 over DP, no fsdp), and the encoder inherits it,
+against: a Megatron user picks the LLM's layout (CP only as far as activations need it
+to fit without full recompute, then the LLM's fastest by itself, with the distributed
+optimizer, ZeRO-1 over DP, no fsdp; see :func:`_stock`), and the encoder inherits it,
 savers included, on the LLM's first stage, repeating its work on every CP rank.
 """
 
@@ -317,24 +318,34 @@ def search(
 
 
 def _stock(alone: list, price: Any) -> Estimate | None:
-    """The paper's baseline: the LLM's layouts without fsdp (Megatron's stock shards
-    the state by its distributed optimizer alone) by their own step time, the fastest
-    first; the first that still fits once the encoder inherits
-    it, its savers included, on the first stage. Times equal to six digits are a tie (a
-    CP ring hidden behind attention makes cp and dp interchangeable): the user keeps the
-    most data parallelism (the least cp, then pp, then tp)."""
+    """The paper's baseline: the layout a Megatron user picks for the LLM, which the
+    encoder inherits, its savers included, on the first stage. Without fsdp (Megatron's
+    stock shards the state by its distributed optimizer alone, ZeRO-1), at the least CP
+    degree with which the model trains without full recompute (where none does, with
+    it): Megatron's guide takes CP where long sequences' activations run out of memory,
+    instead of full recompute (~30% overhead), and defaults context_parallel_size to 1
+    (NVIDIA/Megatron-LM docs/source/api-guide/context_parallel.rst, "Context parallelism
+    benefits" and "Enabling context parallelism"). At that CP, the LLM's layouts by
+    their own step time, the fastest first, the first that fits with the encoder. Times
+    equal to six digits are a tie: the user keeps the most data parallelism (the least
+    pp, then tp)."""
 
     def order(a: tuple) -> tuple:
         lay = a[2].layout
-        return float(f"{a[0]:.6g}"), lay.cp, lay.pp, lay.tp
+        return lay.cp, float(f"{a[0]:.6g}"), lay.pp, lay.tp
+
+    def inherited(a: tuple) -> Plan | None:  # the stock plan, where it fits
+        enc = dataclasses.replace(a[2], layout=dataclasses.replace(a[2].layout, pp=1, ep=1))
+        plan = Plan("homogeneous", enc, a[2], a[1])
+        return plan if price(plan, a[3]) else None
 
     stock = [a for a in alone if a[2].layout.fsdp == 1]
-    zero1 = [a for a in stock if a[2].zero1] or stock  # savers without ZeRO-1: as given
-    for _t, m, mp, stages in sorted(zero1, key=order):
-        enc = dataclasses.replace(mp, layout=dataclasses.replace(mp.layout, pp=1, ep=1))
-        plan = Plan("homogeneous", enc, mp, m)
-        if price(plan, stages):
-            return price(plan, stages, simulate=True)
+    zero1 = sorted([a for a in stock if a[2].zero1] or stock, key=order)  # no ZeRO-1 tried: all
+    lean = [a for a in zero1 if a[2].recompute != "full"]
+    cp = next((a[2].layout.cp for a in lean + zero1 if inherited(a)), None)
+    for a in (a for a in zero1 if a[2].layout.cp == cp):
+        if plan := inherited(a):
+            return price(plan, a[3], simulate=True)
     return None
 
 

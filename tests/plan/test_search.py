@@ -92,7 +92,8 @@ def test_cli_plans_a_runnable_preset(capsys):
 
 
 def test_paper_baseline_is_the_llms_own_layout_inherited():
-    """The paper's baseline: the LLM's fastest layout by itself (ZeRO-1), the encoder
+    """The paper's baseline: at the least CP with which the LLM alone fits without
+    recompute (cp=1 at 8K here), the LLM's fastest layout by itself (ZeRO-1), the encoder
     taking its dp, tp, cp and savers on the first stage; gains over either baseline."""
     work, hw = Workload(64, 8192, 4), get_profile("h100")
     r = search(CFG, 32, work, hw)
@@ -102,6 +103,7 @@ def test_paper_baseline_is_the_llms_own_layout_inherited():
     assert stock.plan.mode == "homogeneous" and enc.zero1 and llm.zero1
     assert enc.layout == dataclasses.replace(llm.layout, pp=1, ep=1)
     assert enc.recompute == llm.recompute
+    assert llm.layout.cp == 1  # 8K fits without CP: a Megatron user runs none
     assert stock.step_time_s >= r.homogeneous.step_time_s  # the best is no slower
 
     def alone(mp: ModulePlan, m: int) -> tuple[float, bool]:
@@ -110,17 +112,17 @@ def test_paper_baseline_is_the_llms_own_layout_inherited():
         step = sum(per) + (m - 1) * max(per) + max(s.reduce_s + s.optimizer_s for s in st)
         return step, max(s.memory.total for s in st) <= hw.memory_bytes
 
-    # Every LLM layout faster by itself (or as fast with less cp, pp or tp: a tie keeps
-    # data parallelism) leaves no room for the encoder, or cannot run it.
+    # Every LLM layout of the same cp faster by itself (or as fast with less pp or tp: a
+    # tie keeps data parallelism) leaves no room for the encoder, or cannot run it.
     chosen, _ = alone(llm, stock.plan.microbatches)
-    degrees = (llm.layout.cp, llm.layout.pp, llm.layout.tp)
+    degrees = (llm.layout.pp, llm.layout.tp)
     for lay in llm_layouts(CFG, 32, work, hw):
         for mbs, rc in itertools.product(MICROBATCH_SIZES, ("none", "selective", "full")):
-            if work.global_batch % (lay.dp * mbs):
+            if work.global_batch % (lay.dp * mbs) or lay.cp != llm.layout.cp:
                 continue
             mp, m = ModulePlan(lay, rc, zero1=True), work.global_batch // (lay.dp * mbs)
             t, fits = alone(mp, m)
-            tie = abs(t / chosen - 1) < 1e-6 and (lay.cp, lay.pp, lay.tp) < degrees
+            tie = abs(t / chosen - 1) < 1e-6 and (lay.pp, lay.tp) < degrees
             if fits and (t < chosen * (1 - 1e-6) or tie):
                 plan = homogeneous(mp, m, recompute=rc, zero1=True)
                 with contextlib.suppress(ValueError):  # check_plan: it cannot run
@@ -129,3 +131,49 @@ def test_paper_baseline_is_the_llms_own_layout_inherited():
     assert r.gain("best") == r.gain_pct and r.gain("paper") >= r.gain("best")
     with pytest.raises(ValueError, match="unknown baseline 'megatron'; use one of paper, best"):
         r.gain("megatron")
+
+
+def test_paper_baseline_takes_cp_only_where_activations_need_it():
+    """_stock: the least CP with which the model (the LLM, the encoder inherited on its
+    first stage) fits without full recompute, then the fastest LLM layout at that CP that
+    fits with the encoder; with equally fast layouts, the least pp, then tp."""
+    from hetjax.meshes.layout import Layout
+    from hetjax.plan.search import _stock
+
+    def cand(t, cp, rc="none", pp=1, tp=1):
+        lay = Layout(dp=32 // (cp * pp * tp), tp=tp, cp=cp, pp=pp)
+        return (t, 2, ModulePlan(lay, rc, zero1=True), [])
+
+    def price(roomy=lambda mp: True):  # the stock plan's LLM where it "fits"
+        return lambda plan, stages, simulate=False: plan.llm if roomy(plan.llm) else None
+
+    fast_cp = [cand(1.0, 4), cand(1.5, 2), cand(2.0, 1), cand(1.8, 1, pp=2)]
+    assert _stock(fast_cp, price()).layout == Layout(dp=16, pp=2)  # the fastest at cp=1
+    # cp=1 fits only with full recompute (long context): the least cp that fits without.
+    long = [cand(1.0, 4), cand(1.5, 2), cand(3.0, 1, "full"), cand(1.2, 2, "selective")]
+    assert str(_stock(long, price())) == "dp=16,cp=2,zero1,recompute=selective"
+    # No cp=2 layout leaves room for the encoder: the next cp.
+    assert _stock(long, price(lambda mp: mp.layout.cp != 2)).layout.cp == 4
+    # The LLM fits at cp=1 by itself, not with the encoder: more cp, not full recompute.
+    crowded = [cand(1.0, 1), cand(2.0, 1, "full"), cand(1.5, 2)]
+    roomy = lambda mp: mp.layout.cp > 1 or mp.recompute == "full"  # noqa: E731
+    assert _stock(crowded, price(roomy)).layout.cp == 2
+    # Nothing fits without full recompute: the least cp with it.
+    assert (
+        str(_stock(long, price(lambda mp: mp.recompute == "full"))) == "dp=32,zero1,recompute=full"
+    )
+    tie = [cand(1.0, 1, pp=4), cand(1.0000001, 1, tp=2, pp=2), cand(1.0, 1, tp=4)]
+    assert _stock(tie, price()).layout == Layout(dp=8, tp=4)
+    assert _stock(long, price(lambda mp: False)) is None
+
+
+@pytest.mark.parametrize("seq, cp", [(65536, 4), (131072, 16)])
+def test_paper_baseline_takes_cp_at_long_context(seq, cp):
+    """The paper's long-context rows: a 70B LLM with a 3B encoder on 256 GPUs trains
+    without full recompute from cp=4 on at 64K (cp=16 at 128K, where the encoder's 64
+    images per sample leave no room at cp=8): the stock layout's cp, the encoder's too."""
+    work = Workload(2**22 // seq, seq, seq // 2048)
+    cfg = paper_preset("vit-3b", "llm-70b", seq)
+    r = search(cfg, 256, work, "h100", modes=("colocated",), even_stages=False, fsdp=False)
+    assert r.stock.plan.llm.layout.cp == r.stock.plan.vision.layout.cp == cp
+    assert r.stock.plan.llm.recompute != "full"
