@@ -31,7 +31,7 @@ from hetjax.meshes.placement import Placement
 from hetjax.runtime.flops import FACTORS, TRAINED
 
 from .hardware import HardwareProfile, get_profile
-from .memory import BF16
+from .memory import BF16, colocated_held_bytes
 from .parts import ENCODER, LLM, encoder_shape, image_tokens, llm_shape
 from .stage import ModulePlan, StageCost, module_stages
 
@@ -321,12 +321,14 @@ def assemble(
 def _estimate(cfg, plan, work, hw, stages, step: float, *, simulated: bool) -> Estimate:
     nv = plan.vision.layout.pp
     groups = _device_groups(plan, stages[:nv], stages[nv:])
+    peaks = [sum(s.memory.total for s in g) for g in groups]  # colocated: [0] has LLM stage 0
+    peaks[0] += colocated_held_bytes(cfg, plan, work) if plan.mode == "colocated" else 0.0
     return Estimate(
         plan=plan,
         step_time_s=step,
         tokens_per_s=work.tokens / step,
         tflops_per_gpu=model_flops(cfg, work) / step / plan.num_gpus / 1e12,
-        peak_memory_bytes=max(sum(s.memory.total for s in g) for g in groups),
+        peak_memory_bytes=max(peaks),
         memory_limit_bytes=hw.memory_bytes,
         stages=tuple(stages),
         simulated=simulated,

@@ -21,10 +21,11 @@ projections (2 D) - and rebuilds one layer's other activations at a time in its 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from hetjax.recompute import Recompute
 
-from .parts import ModuleShape
+from .parts import ModuleShape, image_tokens
 
 BF16, FP32 = 2, 4
 WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = BF16, FP32, 3 * FP32
@@ -114,3 +115,17 @@ def stage_memory(
         activations=acts,
         transient=logits,
     )
+
+
+def colocated_held_bytes(cfg: Any, plan: Any, work: Any) -> float:
+    """Bytes per device of the LLM's first stage that a colocated plan's three-phase
+    schedule holds beyond its stages' own: phase 1 runs the encoder's forward over every
+    microbatch, so their outputs (in the LLM's layout: the image tokens of the device's
+    data lane and CP share at the LLM's width, replicated over TP, as the colocated
+    transform leaves them) wait for the LLM's first stage, and the gradients it returns
+    for them wait for phase 3's encoder backward. Between them, one buffer per
+    microbatch but those in flight in the LLM's pipeline (its stage stash holds them)."""
+    lay, m = plan.llm.layout, plan.microbatches
+    images = work.global_batch / m / lay.data_ranks * work.images_per_sample
+    per_microbatch = images * image_tokens(cfg) / lay.cp * cfg.llm.width * work.act_bytes
+    return (m - min(lay.pp, m)) * per_microbatch
