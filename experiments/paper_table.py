@@ -6,8 +6,9 @@
 One row per reported result (H100 80GB). Each row runs the planner
 (:func:`hetjax.plan.search.search`) for the best heterogeneous plan and both homogeneous
 baselines, and compares the gain over the paper's baseline (``predicted_gain_pct``: the
-LLM's own best layout with the distributed optimizer, inherited by the encoder on the
-first pipeline stage) with the paper's; ``predicted_gain_pct_best`` is the gain over the
+LLM layout a Megatron user picks, CP only as far as activations need it to fit without
+full recompute, with the distributed optimizer, inherited by the encoder on the first
+pipeline stage) with the paper's; ``predicted_gain_pct_best`` is the gain over the
 best homogeneous plan the search finds. Settings the paper leaves open, fixed once for
 every row (what a Megatron user runs at this scale):
 

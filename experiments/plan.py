@@ -6,8 +6,9 @@
 
 Prints the best plans (heterogeneous: colocated or non-colocated), the two homogeneous
 baselines (the encoder inheriting the LLM's layout): ``hom`` the best one the search
-finds, ``stk`` the paper's (the LLM's own best layout with ZeRO-1, where it differs), the
-predicted gain over ``--baseline`` and the memory per GPU. ``--model NAME`` plans a
+finds, ``stk`` the paper's (the LLM's own layout with ZeRO-1, CP only where activations
+need it; where it differs), the predicted gain over ``--baseline`` and the memory per
+GPU. ``--model NAME`` plans a
 runnable preset (``tiny``, ``small``, ...) instead of the paper-scale ``--encoder`` /
 ``--llm`` shapes, as hetjax's executor runs it (one image per sample, its own sequence
 length, global batch 32 unless given; FP32 on ``--gpu cpu``). Otherwise an unset
