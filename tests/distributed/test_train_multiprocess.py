@@ -287,87 +287,24 @@ def test_checkpoints_move_between_process_counts(tmp_path):
         np.testing.assert_allclose([r["loss"] for r in rows], want[3:], rtol=1e-5)
 
 
-# Checkpoints of stages held by one process (2 x 4, the "colocated" layout): the LLM's
-# stage 0 is on process 0's devices and stage 1 on process 1's, so its pre and post parts
-# and their optimizer state are written by their owners alone (the "owned" item); the
-# vision encoder and the LLM's block stack span both processes (orbax's arrays). The runs
-# are those of the `runs` fixture (the same flags): its "colocated" 2 x 4 job is the
-# uninterrupted run, and every run here loads that job's programs, or the single-process
-# "non-colocated-pp" run's, from the compilation cache instead of compiling them again.
+# Preemption and checkpoints of stages held by one process, from one job: the "colocated"
+# 2 x 4 job of the `runs` fixture (the same flags, so every run here loads that job's
+# programs, or the single-process "non-colocated-pp" run's, from the compilation cache),
+# sent SIGTERM as a batch system sends it. Its LLM's stage 0 is on process 0's devices and
+# stage 1 on process 1's, so the pre and post parts and their optimizer state are written
+# by their owners alone (the "owned" item); the vision encoder and the LLM's block stack
+# span both processes (orbax's arrays). The same command resumes it (the same layout, bit
+# for bit); copies of its checkpoint are resumed in another layout and, damaged, refused.
+# (A save by ``--stop-after`` in 2 processes is `test_checkpoints_move_between_process_counts`.)
 
 
-@pytest.mark.multiprocess
-@pytest.mark.slow
-def test_checkpoints_of_stages_held_by_one_process(runs, tmp_path):
-    """Saved by 2 processes at step 3; resumed in the same layout, steps 4-10 equal the
-    uninterrupted 2-process run bit for bit (FP32); resumed by one process in another
-    layout (islands, 8 devices), at rtol 1e-5. A truncated chunk of the owned item stops
-    both processes with the one-line error (exit 2) and leaves the checkpoint as it was."""
-    ckpt, run = tmp_path / "ckpt", [*TRAIN, *LAYOUTS["colocated"]]
-    saving = _launcher(
-        2, 4, "experiments.llava_train", [*run, "--stop-after", "3", "--checkpoint-dir", str(ckpt)]
-    )
-    done = _finish(saving, "the saving run")
-    assert done.returncode == 0, done.stderr[-3000:]
-    want = _losses(*runs[(2, 4, "colocated")])
-    meta = json.loads((ckpt / "3" / "meta" / "metadata").read_text())
-    assert "params/llm/pre/table" in meta["owned"], meta.get("owned")
-    assert not any(n.startswith("params/vision") for n in meta["owned"]), meta["owned"]
-
-    other, damaged = tmp_path / "other", tmp_path / "damaged"
-    shutil.copytree(ckpt, other)
-    shutil.copytree(ckpt, damaged)
-    chunks = [p for p in (damaged / "3" / "owned").rglob("*") if p.is_file() and p.name[0] != "."]
-    biggest = max(chunks, key=lambda p: p.stat().st_size)
-    biggest.write_bytes(biggest.read_bytes()[: biggest.stat().st_size // 3])
-    before = sorted((str(p), p.stat().st_size) for p in damaged.rglob("*"))
-    second = {
-        "same-layout": _launcher(
-            2, 4, "experiments.llava_train",
-            [*run, "--checkpoint-dir", str(ckpt), "--metrics", str(tmp_path / "same.jsonl")],
-        ),
-        "other-layout": _popen(
-            ["experiments.llava_train", "--devices", "8", *TRAIN,
-             *LAYOUTS["non-colocated-pp"], "--checkpoint-dir", str(other),
-             "--metrics", str(tmp_path / "other.jsonl")]
-        ),
-        "damaged": _launcher(
-            2, 4, "experiments.llava_train", [*run, "--checkpoint-dir", str(damaged)]
-        ),
-    }  # fmt: skip
-    done = {name: _finish(proc, f"the {name} resume") for name, proc in second.items()}
-    for name in ("same-layout", "other-layout"):
-        assert done[name].returncode == 0, done[name].stderr[-3000:]
-        assert "resumed from step 3" in done[name].stdout, done[name].stdout[-2000:]
-    same = _rows(tmp_path / "same.jsonl")
-    assert [r["step"] for r in same] == list(range(3, 10))
-    assert [r["loss"] for r in same] == want[3:]  # bit for bit
-    moved = _rows(tmp_path / "other.jsonl")
-    np.testing.assert_allclose([r["loss"] for r in moved], want[3:], rtol=1e-5)
-
-    bad = done["damaged"]
-    assert bad.returncode == 2, bad.stderr[-3000:]
-    assert "Traceback" not in bad.stderr
-    for p in range(2):
-        errors = [l for l in _lines(bad.stderr, p) if l.startswith("llava_train: error: ")]
-        assert len(errors) == 1, bad.stderr[-3000:]
-        assert f"checkpoint {damaged / '3'} is damaged or incomplete" in errors[0], errors
-        assert errors[0].endswith("delete it to resume from an earlier one"), errors
-    assert sorted((str(p), p.stat().st_size) for p in damaged.rglob("*")) == before
-
-
-# Preemption: SIGTERM to the launcher (as a batch system sends it), passed on to every
-# process. The runs are the "colocated" 2 x 4 job of the `runs` fixture (cached programs),
-# whose uninterrupted losses the resumed job must give bit for bit.
-
-
-@pytest.mark.multiprocess
-@pytest.mark.slow
-def test_sigterm_saves_on_every_process_at_one_step_and_the_resume_is_bit_exact(runs, tmp_path):
-    """``hetjax.launch`` gets SIGTERM after step 2 is logged: both processes agree on a
-    step through JAX's preemption sync point, save it and exit 0, and so does the
-    launcher; the same command resumes to the uninterrupted job's losses bit for bit."""
-    ckpt, cut = tmp_path / "ckpt", tmp_path / "cut.jsonl"
+@pytest.fixture(scope="module")
+def preempted(runs, tmp_path_factory):
+    """``hetjax.launch`` gets SIGTERM after step 2 is logged: (checkpoint directory, the
+    job's flags, the finished launcher, the saved step, copies of the checkpoint made
+    before anything resumes from it: "other" and "damaged")."""
+    tmp = tmp_path_factory.mktemp("preempted")
+    ckpt, cut = tmp / "ckpt", tmp / "cut.jsonl"
     args = [*TRAIN, *LAYOUTS["colocated"], "--checkpoint-dir", str(ckpt), "--metrics", str(cut)]
     launcher = _launcher(2, 4, "experiments.llava_train", args)
     deadline = time.monotonic() + TIMEOUT_S
@@ -375,17 +312,83 @@ def test_sigterm_saves_on_every_process_at_one_step_and_the_resume_is_bit_exact(
         time.sleep(0.05)
     launcher.send_signal(signal.SIGTERM)
     done = _finish(launcher, "the preempted job")
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "hetjax.launch: preempted: every process saved and exited 0" in done.stderr
     found = re.findall(
         r"preempted: saved the state after step (\d+)", "\n".join(_lines(done.stdout, 0))
     )
-    assert len(found) == 1, done.stdout[-3000:]
-    saved = int(found[0])
+    saved = int(found[0]) if len(found) == 1 else None
+    copies = {name: tmp / name for name in ("other", "damaged")}
+    for copy in copies.values():
+        if ckpt.is_dir():
+            shutil.copytree(ckpt, copy)
+    return {"ckpt": ckpt, "args": args, "cut": cut, "done": done, "saved": saved, **copies}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_sigterm_saves_on_every_process_at_one_step_and_the_resume_is_bit_exact(runs, preempted):
+    """Both processes agree on a step through JAX's preemption sync point, save it and
+    exit 0, and so does the launcher; the same command resumes to the uninterrupted job's
+    losses bit for bit (FP32)."""
+    done, saved, ckpt = preempted["done"], preempted["saved"], preempted["ckpt"]
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "hetjax.launch: preempted: every process saved and exited 0" in done.stderr
+    assert saved is not None, done.stdout[-3000:]  # exactly one "saved the state" line
     assert 2 <= saved < 10 and (ckpt / str(saved)).is_dir()
+    args = preempted["args"]
     resumed = _finish(_launcher(2, 4, "experiments.llava_train", args), "the resumed job")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from step {saved} " in resumed.stdout
-    losses = {r["step"]: r["loss"] for r in _rows(cut)}  # the resumed job's rows win
+    losses = {r["step"]: r["loss"] for r in _rows(preempted["cut"])}  # the resumed job's rows win
     want = [r["loss"] for r in runs[(2, 4, "colocated")][1]]
     assert [losses[step] for step in sorted(losses)] == want, (losses, want)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_checkpoints_of_stages_held_by_one_process(runs, preempted, tmp_path):
+    """The preempted job's checkpoint has the owned item; resumed by one process in another
+    layout (islands, 8 devices), steps after the saved one equal the uninterrupted 2-process
+    run at rtol 1e-5. A truncated chunk of the owned item stops both processes with the
+    one-line error (exit 2) and leaves the checkpoint as it was. (The same layout's resume,
+    bit for bit, is the SIGTERM test's.)"""
+    saved = preempted["saved"]
+    assert saved is not None, preempted["done"].stdout[-3000:]
+    want = _losses(*runs[(2, 4, "colocated")])
+    meta = json.loads((preempted["ckpt"] / str(saved) / "meta" / "metadata").read_text())
+    assert "params/llm/pre/table" in meta["owned"], meta.get("owned")
+    assert not any(n.startswith("params/vision") for n in meta["owned"]), meta["owned"]
+
+    other, damaged = preempted["other"], preempted["damaged"]
+    chunks = [
+        p for p in (damaged / str(saved) / "owned").rglob("*") if p.is_file() and p.name[0] != "."
+    ]
+    biggest = max(chunks, key=lambda p: p.stat().st_size)
+    biggest.write_bytes(biggest.read_bytes()[: biggest.stat().st_size // 3])
+    before = sorted((str(p), p.stat().st_size) for p in damaged.rglob("*"))
+    second = {
+        "other-layout": _popen(
+            ["experiments.llava_train", "--devices", "8", *TRAIN,
+             *LAYOUTS["non-colocated-pp"], "--checkpoint-dir", str(other),
+             "--metrics", str(tmp_path / "other.jsonl")]
+        ),
+        "damaged": _launcher(
+            2, 4, "experiments.llava_train",
+            [*TRAIN, *LAYOUTS["colocated"], "--checkpoint-dir", str(damaged)],
+        ),
+    }  # fmt: skip
+    done = {name: _finish(proc, f"the {name} resume") for name, proc in second.items()}
+    assert done["other-layout"].returncode == 0, done["other-layout"].stderr[-3000:]
+    assert f"resumed from step {saved}" in done["other-layout"].stdout
+    moved = _rows(tmp_path / "other.jsonl")
+    assert [r["step"] for r in moved] == list(range(saved, 10))
+    np.testing.assert_allclose([r["loss"] for r in moved], want[saved:], rtol=1e-5)
+
+    bad = done["damaged"]
+    assert bad.returncode == 2, bad.stderr[-3000:]
+    assert "Traceback" not in bad.stderr
+    for p in range(2):
+        errors = [l for l in _lines(bad.stderr, p) if l.startswith("llava_train: error: ")]
+        assert len(errors) == 1, bad.stderr[-3000:]
+        assert f"checkpoint {damaged / str(saved)} is damaged or incomplete" in errors[0], errors
+        assert errors[0].endswith("delete it to resume from an earlier one"), errors
+    assert sorted((str(p), p.stat().st_size) for p in damaged.rglob("*")) == before
