@@ -261,6 +261,9 @@ def compile_row() -> dict:
         "compiles_single_process": single["compiles"],
         "stages_per_process": [p["local_stages"] for p in multi],
         "loss_max_rel_diff": diff,
+        # What each run recorded (program names, barriers met, losses): the suite checks
+        # this layout's own-stage compiles on it (tests/distributed/own_compiles.py).
+        "compile_counts": runs,
     }
 
 

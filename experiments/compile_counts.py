@@ -21,7 +21,8 @@ FP32 steps and prints one line per process: ``compile-counts {json}`` with
 A process compiles only the stages whose devices include one of its own (the others'
 outputs are stand-ins, ``StageProgram.stand_in``), so under 2 x 4 each process's counts
 are about half the single process's. ``experiments.bench_engine`` runs both and reports
-them; ``tests/distributed/test_train_multiprocess.py`` checks them and the losses.
+them; ``tests/distributed/own_compiles.py`` checks them and the losses (on
+bench_engine's row and in ``tests/distributed/test_own_compiles.py``).
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ of the same run."""
 
 import pytest
 
+from tests.distributed.own_compiles import check_each_process_compiles_only_its_own_stages
 from tests.runtime.benchmarks import quick_rows
 
 KEYS = {
@@ -78,3 +79,6 @@ def test_two_process_row(rows):
     per, one = row["programs_compiled_per_process"], row["programs_compiled_single_process"]
     assert max(per) < one and sum(per) == one
     assert row["loss_max_rel_diff"] < 1e-5
+    # The layout's own-stage compiles, as tests/distributed/test_own_compiles.py checks its
+    # other layouts (this measurement runs once in the suite: here).
+    check_each_process_compiles_only_its_own_stages(row["compile_counts"])
