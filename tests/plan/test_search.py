@@ -92,9 +92,10 @@ def test_cli_plans_a_runnable_preset(capsys):
 
 
 def test_paper_baseline_is_the_llms_own_layout_inherited():
-    """The paper's baseline: at the least CP with which the LLM alone fits without
-    recompute (cp=1 at 8K here), the LLM's fastest layout by itself (ZeRO-1), the encoder
-    taking its dp, tp, cp and savers on the first stage; gains over either baseline."""
+    """The paper's baseline: at the least CP with which the model (the LLM, the encoder
+    inherited) trains without full recompute (cp=1 at 8K here), the LLM's fastest layout
+    by itself (ZeRO-1), the encoder taking its dp, tp, cp and savers on the first stage;
+    gains over either baseline."""
     work, hw = Workload(64, 8192, 4), get_profile("h100")
     r = search(CFG, 32, work, hw)
     stock = r.baseline("paper")
