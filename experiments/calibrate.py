@@ -298,8 +298,9 @@ def model_block_parts(hw: Any, preset: str, part: str, samples: int) -> dict[str
     """Seconds ``hw``'s cost model prices for a :data:`MODEL_BLOCKS` stack, forward and
     backward on one device without launch costs, by term: ``compute`` (weight and
     attention matmuls), ``scores`` (plain attention's score passes), ``elementwise``
-    (the blocks' element-wise bytes at ``elementwise_scale`` 1) and ``moe`` (one pass
-    over the MoE dispatch buffers)."""
+    (the blocks' element-wise bytes at ``elementwise_scale`` 1), ``moe`` (one pass over
+    the MoE dispatch buffers), ``moe_launch`` (1 us per MoE block and pass) and
+    ``weights`` (one pass over a trained stage's block weights per backward)."""
     from hetjax import Layout
     from hetjax.plan import ModulePlan
     from hetjax.plan.parts import encoder_shape, llm_shape
@@ -501,20 +502,18 @@ def micro_profile(points: dict[str, list], devices: int) -> tuple[Any, dict]:
     )
     # The curve leaves the MLP blocks' element-wise bytes to elementwise_scale, which the
     # models' blocks then fit given the curve: a few rounds of both (a fixed point).
-    # (With "compute" in BLOCK_TERMS, the models' blocks also scale the curve's rate.)
-    blocks, rows, slower = points.get("model_blocks"), [], 1.0
+    blocks, rows = points.get("model_blocks"), []
     for _ in range(4 if blocks else 1):
         points = {
             **points,
             "matmul": matmul_points(points["blocks"], ew.rate, hw.elementwise_scale),
         }
         mm = fit_matmul(points["matmul"])
-        hw = dataclasses.replace(hw, peak_tflops=mm.tflops / slower, matmul_knee=mm.knee)
+        hw = dataclasses.replace(hw, peak_tflops=mm.tflops, matmul_knee=mm.knee)
         if points.get("attention"):
             hw = dataclasses.replace(hw, score_passes=score_passes(hw, points["attention"]))
         if blocks:
             coef, rows = block_terms(hw, blocks)
-            slower *= coef["compute"]
             hw = dataclasses.replace(
                 hw,
                 elementwise_scale=coef["elementwise"],
@@ -535,7 +534,6 @@ def micro_profile(points: dict[str, list], devices: int) -> tuple[Any, dict]:
             "all_reduce": ar.max_rel_error,
         },
         "model_blocks": rows,  # per model-block point: measured, priced by term, error
-        "model_block_matmul_factor": slower,  # the MLP blocks' curve's time x this
     }
     return hw, record
 
