@@ -50,6 +50,13 @@ class ModuleShape:
     experts: int = 1  # MoE experts per layer (1: dense)
     top_k: int = 1  # expert slots a token fills (routed k; executed: capacity buffers)
     expert_params: float = 0.0  # parameters of one block's experts (split over ep)
+    # Parameter arrays fsdp splits (those with a model-width axis): per block, outside the
+    # blocks on the first stage, on the last; and those the backward gathers again (the
+    # matrices an input gradient needs; vectors are kept, and a first-stage embedding or
+    # patch projection has no input gradient). XLA:CPU gathers each array on its own
+    # (the engine chains them there: hetjax.runtime.fsdp); GPUs one gather per layer.
+    fsdp_arrays: tuple[int, int, int] = (1, 0, 0)
+    fsdp_regathered: tuple[int, int, int] = (1, 0, 0)
 
     @property
     def params(self) -> float:
@@ -101,6 +108,10 @@ def llm_shape(cfg: Any, seq_len: int, executed: bool = False) -> ModuleShape:
         experts=moe.num_experts if moe else 1,
         top_k=moe.top_k if moe else 1,
         expert_params=_expert_params(moe, llm.width, llm.mlp),
+        # two norms, q|k|v, o, then gate|up and down or an MoE's router and experts' two;
+        # the embedding table; the final norm and the LM head
+        fsdp_arrays=(4 + (3 if moe else 2), 1, 2),
+        fsdp_regathered=(2 + (3 if moe else 2), 0, 1),  # the matrices; not the table
     )
 
 
@@ -151,6 +162,10 @@ def encoder_shape(cfg: Any) -> ModuleShape:
         experts=moe.num_experts if moe else 1,
         top_k=moe.top_k if moe else 1,
         expert_params=_expert_params(moe, enc.width, enc.mlp),
+        # two LayerNorms' scales and biases, qkv, out, up, down; the patch projection and
+        # positions; the final LayerNorm and the projector's two matmuls and output bias
+        fsdp_arrays=(8, 3, 5),
+        fsdp_regathered=(4, 0, 2),  # the matrices; not the patch projection's
     )
 
 

@@ -15,7 +15,9 @@ matmuls batch over heads or experts and the engine saves only weight matmuls' ou
 microbatch its forward all-gathers every layer's weights, its backward gathers them again
 and reduce-scatters their gradients (float32, as the engine stores them:
 :mod:`hetjax.runtime.fsdp`), overlapped with the layers' compute (only the excess is
-exposed); the once-per-step reduction then spans the remaining dp. The DP
+exposed); one collective per layer, or on XLA:CPU (``shared_compute``), where the engine
+chains them, a gather per parameter array (:func:`fsdp_calls`), each paying the call's
+latency; the once-per-step reduction then spans the remaining dp. The DP
 gradient reduction (ZeRO-1: reduce-scatter of gradients, all-gather of parameters) runs
 once per step and overlaps only the last microbatch's backward, as Megatron's bucketed
 overlap does. On devices that share the host's cores (``shared_compute``) nothing
@@ -69,6 +71,22 @@ def attention_kernel(
     if hw.fused_attention(act_bytes):
         return hw.peak_tflops * hw.fused_attention_efficiency * 1e12, 0
     return hw.matmul_tflops(min(head_dim, tokens)) * 1e12, hw.score_passes
+
+
+def fsdp_calls(
+    shape: ModuleShape, layers: int, first: bool, last: bool, hw: HardwareProfile
+) -> tuple[int, int, int]:
+    """An fsdp stage's collectives per microbatch: the forward's gathers, the backward's
+    gathers and its gradient reduce-scatters. One of each per layer where XLA combines a
+    layer's (GPU); on XLA:CPU (``shared_compute``), where the engine chains them
+    (:mod:`hetjax.runtime.fsdp`), a gather per parameter array
+    (``shape.fsdp_arrays``; the backward's of the matrices, ``shape.fsdp_regathered``),
+    and XLA still combines the reduce-scatters: one per layer, one for the arrays outside
+    the blocks."""
+    if not hw.shared_compute:
+        return layers, layers, layers
+    n = lambda c: layers * c[0] + first * c[1] + last * c[2]  # noqa: E731
+    return n(shape.fsdp_arrays), n(shape.fsdp_regathered), layers + (first or last)
 
 
 def exposed(comm: float, compute: float, hw: HardwareProfile) -> float:
@@ -267,14 +285,17 @@ def module_stages(
         group = dp * cp
         grads = params / tp / fsdp * FP32
         if fsdp > 1:  # gathers and reduce-scatters per microbatch, float32 as stored
-            held = params / tp * FP32
-            each = dict(crosses=fsdp_x, hw=hw, calls=layers)  # one per layer
-            gathers = collective_time("all-gather", held / layers, fsdp, **each)
-            scatter = collective_time("reduce-scatter", held / layers, fsdp, **each)
+            held, each = params / tp * FP32, dict(crosses=fsdp_x, hw=hw)
+            calls, again, scatters = fsdp_calls(shape, layers, first, last, hw)
+            gathers = collective_time("all-gather", held / calls, fsdp, **each, calls=calls)
+            regathers = collective_time("all-gather", held / again, fsdp, **each, calls=again)
+            scatter = collective_time(
+                "reduce-scatter", held / scatters, fsdp, **each, calls=scatters
+            )
             forward += exposed(gathers, compute, hw)
             fwd_comm["all-gather"] += held
             if runs_backward:
-                backward += exposed(gathers + trains * scatter, 2 * compute, hw)
+                backward += exposed(regathers + trains * scatter, 2 * compute, hw)
                 bwd_comm["all-gather"] += held
                 bwd_comm["reduce-scatter"] += held * trains
         # What hetjax's engine sums in the backward (see replica_grads_per_microbatch).

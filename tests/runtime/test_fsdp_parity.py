@@ -231,3 +231,36 @@ def _gathered_shard(a: jax.Array) -> tuple[int, ...]:
     """``a``'s shape per device once gathered over fsdp (still split over tp)."""
     whole = jax.sharding.NamedSharding(a.sharding.mesh, gathered_spec(a.sharding.spec))
     return whole.shard_shape(a.shape)
+
+
+def test_cost_model_counts_the_collectives_xla_cpu_runs(run_a):
+    """On XLA:CPU the engine gathers each parameter array on its own (chained, see
+    :mod:`hetjax.runtime.fsdp`), and the cost model prices what runs
+    (:func:`hetjax.plan.stage.fsdp_calls`): per stage and pass, the all-gathers and the
+    gradient reduce-scatters (XLA:CPU: all-reduces, combined per layer) over fsdp, loop
+    executions counted, are the model's counts (a loss stage's backward program runs
+    its forward too)."""
+    from hetjax.plan import get_profile, parts
+    from hetjax.plan.stage import fsdp_calls
+
+    ex, rec = run_a
+    cfg = get_preset("tiny")
+    shapes = {"vision": parts.encoder_shape(cfg), "llm": parts.llm_shape(cfg, cfg.seq_len)}
+
+    def over_fsdp(key, program: str, kind: str = "all-gather") -> int:
+        mesh = ex.programs[key].mesh
+        return sum(
+            c.executions
+            for c in collectives(rec.compiled[(key, program)].as_text(), mesh.size)
+            if c.kind == kind and varied_axes(c, mesh) == {FSDP_AXIS}
+        )
+
+    for key in ex.programs:  # one stage per module (pp=1): first and last
+        shape = shapes[key[0]]
+        fwd, bwd, scatters = fsdp_calls(shape, shape.depth, True, True, get_profile("cpu"))
+        if (key, "fwd") in rec.compiled:
+            assert over_fsdp(key, "fwd") == fwd, key
+            assert over_fsdp(key, "bwd") == bwd, key
+        else:  # the loss stage
+            assert over_fsdp(key, "bwd") == fwd + bwd, key
+        assert over_fsdp(key, "bwd", "all-reduce") == scatters, key
