@@ -5,7 +5,7 @@
 
 Trains each layout of ``ROWS`` (tiny and small presets on 8 simulated CPU devices:
 colocated, non-colocated islands, the homogeneous baseline; dp, tp, pp, cp, ep; a frozen
-encoder; the three recompute policies) for ``--steps`` steps through
+encoder; the three recompute policies; fsdp) for ``--steps`` steps through
 :func:`experiments.runner.trainer`, the same :class:`hetjax.train.Trainer` a user runs,
 and compares the fastest of the timed steps (see :func:`measure_rows`) with
 the planner's :func:`hetjax.plan.estimate` of the same plan. Each row also counts the
@@ -76,6 +76,10 @@ ROWS = (
     ),
     Row("tiny recompute full", "tiny", "non-colocated", "dp=4", "dp=2,pp=2", 2, "full"),
     Row("tiny recompute selective", "tiny", "colocated", "dp=8", "dp=2,tp=2,pp=2", 2, "selective"),
+    # fsdp, which the planner searches for --layout auto: the plan it picks on 8 devices,
+    # and fsdp beside tp (the fsdp parity file's case A, the LLM's side)
+    Row("tiny islands fsdp", "tiny", "non-colocated", "dp=2,pp=2", "fsdp=4", 2),
+    Row("tiny colocated fsdp+tp", "tiny", "colocated", "dp=8", "fsdp=4,tp=2", 2),
     Row("small colocated dp+tp", "small", "colocated", "dp=8", "dp=4,tp=2", 1, batch=8),
     Row("small non-colocated pp", "small", "non-colocated", "dp=4", "dp=2,pp=2", 2, batch=8),
     Row("small colocated tp+pp", "small", "colocated", "dp=4,tp=2", "dp=2,tp=2,pp=2", 2, batch=8),
