@@ -38,11 +38,14 @@ rounds of the executor rows below, the programs in turn (:class:`Probes`):
   as a stage program issues it (XLA:CPU's rendezvous of the devices' threads; a
   program of one collective also pays its set-up, ~100 us more here, which is not per
   collective);
-- the executor itself on a model of negligible compute (``tiny`` shrunk), in two layouts
-  (``DISPATCH_ROWS``: non-colocated vision ``dp=4`` | LLM ``pp=4`` in 4 microbatches,
-  many calls on one device each; colocated ``dp=8`` in one, few calls on 8 devices each):
-  what the rest of the profile does not explain of their steps gives ``dispatch_us``
-  (per host call the planner counts) and ``launch_us`` (per block, pass and device).
+- the executor itself on a model of negligible compute (``tiny`` shrunk), in three
+  layouts (``DISPATCH_ROWS``: non-colocated vision ``dp=4`` | LLM ``pp=4`` in 4
+  microbatches, many calls on one device each; colocated ``dp=8`` in one, few calls on 8
+  devices each; islands 4 + 4 with the LLM ``fsdp=4`` in 2): what the rest of the profile
+  does not explain of the first two steps gives ``dispatch_us`` (per host call the
+  planner counts) and ``launch_us`` (per block, pass and device), then what it does not
+  explain of the third gives ``fsdp_call_us`` (per fsdp collective, which the engine
+  chains on CPU: 49 per microbatch there).
 
 GPU: fits ``matmul_efficiency`` and ``memory_efficiency`` of the built-in H200 so that
 the cost model prices the ``gpu_check`` record's stage rows as measured (the LLM's loss
@@ -416,9 +419,10 @@ def _chain(k: int, x: Any) -> Any:
     return x
 
 
-DISPATCH_ROWS = (  # the executor on negligible compute: many 1-device calls, few 8-device ones
-    ("nano islands pp4", "non-colocated", "dp=4", "pp=4", 4),
+DISPATCH_ROWS = (  # the executor on negligible compute: many 1-device calls, few 8-device
+    ("nano islands pp4", "non-colocated", "dp=4", "pp=4", 4),  # ones, fsdp's chain
     ("nano colocated dp8", "colocated", "dp=8", "dp=8", 1),
+    ("nano islands fsdp4", "non-colocated", "dp=4", "fsdp=4", 2),
 )
 
 
@@ -432,30 +436,37 @@ def dispatch_rows() -> tuple[list, dict]:
     return rows, {row.name: nano for row in rows}
 
 
-def host_costs(hw: Any, measured: list[dict]) -> tuple[float, float, list]:
-    """``dispatch_us`` and ``launch_us`` from the ``dispatch_rows`` steps ``measured``
-    (:func:`experiments.validate_plan.measure_rows`): what ``hw`` prices of them without
-    either, then the two constants by least squares (at least 0)."""
+def host_costs(hw: Any, measured: list[dict]) -> tuple[dict, list]:
+    """``dispatch_us`` and ``launch_us``, then ``fsdp_call_us``, from the
+    ``dispatch_rows`` steps ``measured`` (:func:`experiments.validate_plan.measure_rows`):
+    what ``hw`` prices of the rows without fsdp without either, then the two constants by
+    least squares (at least 0); with those, what it prices of the fsdp row without
+    ``fsdp_call_us``, then that constant (at least 0)."""
     import numpy as np
 
     from experiments import validate_plan as vp
 
     rows, models = dispatch_rows()
-    zero = dataclasses.replace(hw, dispatch_us=0.0, launch_us=0.0)
-    a, t, out = [], [], []
-    for row, got in zip(rows, measured, strict=True):
-        nano = models[row.name]
-        rest, calls = vp.predict(row, zero, cfg=nano)
-        a.append(
-            [
-                vp.predict(row, dataclasses.replace(zero, **{k: 1.0}), cfg=nano)[0] - rest
-                for k in ("dispatch_us", "launch_us")
-            ]
-        )
-        t.append(got["measured_step_s"] - rest)
-        out.append({"layout": row.name, **got, "planned_calls": calls})
-    dispatch, launch = _nonnegative_lstsq(np.asarray(a), np.asarray(t))
-    return dispatch, launch, out
+    zero = dataclasses.replace(hw, dispatch_us=0.0, launch_us=0.0, fsdp_call_us=0.0)
+    fits, out = {}, []
+    for names in (("dispatch_us", "launch_us"), ("fsdp_call_us",)):
+        base = dataclasses.replace(zero, **fits)
+        a, t = [], []
+        for row, got in zip(rows, measured, strict=True):
+            if ("fsdp" in row.llm) != (names == ("fsdp_call_us",)):
+                continue
+            nano = models[row.name]
+            rest, calls = vp.predict(row, base, cfg=nano)
+            a.append(
+                [
+                    vp.predict(row, dataclasses.replace(base, **{k: 1.0}), cfg=nano)[0] - rest
+                    for k in names
+                ]
+            )
+            t.append(got["measured_step_s"] - rest)
+            out.append({"layout": row.name, **got, "planned_calls": calls})
+        fits |= dict(zip(names, _nonnegative_lstsq(np.asarray(a), np.asarray(t)), strict=True))
+    return fits, out
 
 
 def _nonnegative_lstsq(a: Any, t: Any) -> tuple[float, ...]:
@@ -539,10 +550,10 @@ def micro_profile(points: dict[str, list], devices: int) -> tuple[Any, dict]:
 
 
 def with_host_costs(hw: Any, record: dict, measured: list[dict]) -> tuple[Any, dict]:
-    """``hw`` with ``dispatch_us`` and ``launch_us`` fitted (:func:`host_costs`)."""
-    dispatch, launch, rows = host_costs(hw, measured)
-    hw = dataclasses.replace(hw, dispatch_us=dispatch, launch_us=launch)
-    return hw, {**record, "dispatch_rows": rows}
+    """``hw`` with ``dispatch_us``, ``launch_us`` and ``fsdp_call_us`` fitted
+    (:func:`host_costs`)."""
+    fits, rows = host_costs(hw, measured)
+    return dataclasses.replace(hw, **fits), {**record, "dispatch_rows": rows}
 
 
 def cpu_profile(devices: list, steps: int = 10) -> tuple[Any, dict]:
@@ -664,7 +675,7 @@ def describe(hw: Any) -> str:
         f"{hw.dispatch_us:.0f} us per call, launch {hw.launch_us:.0f} us per block pass, "
         f"score passes {hw.score_passes:.3g}, element-wise x{hw.elementwise_scale:.3g}, MoE "
         f"buffer passes {hw.moe_buffer_passes:.3g} + {hw.moe_launch_us:.0f} us per block pass, "
-        f"weight passes {hw.weight_passes:.3g}"
+        f"weight passes {hw.weight_passes:.3g}, fsdp {hw.fsdp_call_us:.0f} us per collective"
     )
 
 

@@ -16,8 +16,9 @@ The machine is shared and its speed drifts with the load, so by default the CPU 
 is fitted in the same run, in the same minutes as the rows: the calibration's programs
 (:class:`experiments.calibrate.Probes`) are timed once per round of each group of rows,
 and each row is predicted with the rates of its own group's rounds (``dispatch_us`` and
-``launch_us`` from the executor rows, ``experiments.calibrate.DISPATCH_ROWS``, measured
-with the tiny rows; none of them a validation layout). The committed
+``launch_us``, then ``fsdp_call_us``, from the executor rows,
+``experiments.calibrate.DISPATCH_ROWS``, measured with the tiny rows; none of them a
+validation layout). The committed
 ``hetjax/plan/profiles/cpu.json`` is what ``--no-calibrate`` (and ``--quick``, for the
 test: one tiny row) uses, and ``--write-profile`` replaces with this run's (the rates of
 the fastest calls over all rounds). Prints a
@@ -277,7 +278,7 @@ def main(config: ValidateConfig) -> dict:
         host = [measured[r.name] for r in extra]
         own = calibrate.micro_profile(rates[extra[0].name], DEVICES)
         tiny, fit = calibrate.with_host_costs(*own, host)
-        fixed = {"dispatch_us": tiny.dispatch_us, "launch_us": tiny.launch_us}
+        fixed = {k: getattr(tiny, k) for k in ("dispatch_us", "launch_us", "fsdp_call_us")}
         for row in todo:
             profiles[row.name] = dataclasses.replace(
                 calibrate.micro_profile(rates[row.name], DEVICES)[0], **fixed

@@ -20,7 +20,8 @@ thin matmuls over ``head_dim`` plus ``score_passes`` passes over its score matri
 block's element-wise bytes times ``elementwise_scale``, ``weight_passes`` over a trained
 stage's block weights per backward, and an MoE layer's dispatch buffers at
 ``moe_buffer_passes`` plus ``moe_launch_us`` per block pass (on the GPU profiles 1, 0, 0
-and 0: the bytes alone, as before these were fitted on CPU).
+and 0: the bytes alone, as before these were fitted on CPU), and ``fsdp_call_us`` per
+fsdp collective the engine chains on CPU (0 on GPU).
 ``shared_compute`` marks devices that share one pool of cores (JAX's simulated CPU
 devices): a step is then the sum of every device's work, not a pipeline makespan.
 
@@ -71,6 +72,10 @@ class HardwareProfile:
     # passes over a trained stage's block weights per backward at the memory rate: its
     # weight gradients written and moved (0: only the optimizer's passes, as on GPU)
     weight_passes: float = 0.0
+    # one fsdp collective as hetjax's engine issues it on XLA:CPU (each array's gather
+    # chained behind the last, the layer's compute behind all: hetjax.runtime.fsdp),
+    # beyond latency_us; fitted on CPU, 0 on GPU (no chain there)
+    fsdp_call_us: float = 0.0
     shared_compute: bool = False  # devices share the host's cores (simulated CPU devices)
 
     @property

@@ -17,11 +17,12 @@ and reduce-scatters their gradients (float32, as the engine stores them:
 :mod:`hetjax.runtime.fsdp`), overlapped with the layers' compute (only the excess is
 exposed); one collective per layer, or on XLA:CPU (``shared_compute``), where the engine
 chains them, a gather per parameter array (:func:`fsdp_calls`), each paying the call's
-latency; the once-per-step reduction then spans the remaining dp. The DP
-gradient reduction (ZeRO-1: reduce-scatter of gradients, all-gather of parameters) runs
-once per step and overlaps only the last microbatch's backward, as Megatron's bucketed
-overlap does. On devices that share the host's cores (``shared_compute``) nothing
-overlaps (:func:`exposed`): a collective there is the cores' own copying.
+latency and ``hw.fsdp_call_us`` (what the chain costs beyond a bare collective); the
+once-per-step reduction then spans the remaining dp. The DP gradient reduction (ZeRO-1:
+reduce-scatter of gradients, all-gather of parameters) runs once per step and overlaps
+only the last microbatch's backward, as Megatron's bucketed overlap does. On devices
+that share the host's cores (``shared_compute``) nothing overlaps (:func:`exposed`): a
+collective there is the cores' own copying.
 
 ``cp_redundant`` prices the homogeneous baseline's encoder under the LLM's CP: stock
 Megatron runs the encoder on every CP rank of a data lane (an image is not a sequence to
@@ -292,10 +293,12 @@ def module_stages(
             scatter = collective_time(
                 "reduce-scatter", held / scatters, fsdp, **each, calls=scatters
             )
-            forward += exposed(gathers, compute, hw)
+            chained = hw.fsdp_call_us * 1e-6  # per collective, where the engine chains
+            forward += exposed(gathers, compute, hw) + calls * chained
             fwd_comm["all-gather"] += held
             if runs_backward:
                 backward += exposed(regathers + trains * scatter, 2 * compute, hw)
+                backward += (again + trains * scatters) * chained
                 bwd_comm["all-gather"] += held
                 bwd_comm["reduce-scatter"] += held * trains
         # What hetjax's engine sums in the backward (see replica_grads_per_microbatch).
