@@ -38,14 +38,15 @@ rounds of the executor rows below, the programs in turn (:class:`Probes`):
   as a stage program issues it (XLA:CPU's rendezvous of the devices' threads; a
   program of one collective also pays its set-up, ~100 us more here, which is not per
   collective);
-- the executor itself on a model of negligible compute (``tiny`` shrunk), in three
+- the executor itself on a model of negligible compute (``tiny`` shrunk), in four
   layouts (``DISPATCH_ROWS``: non-colocated vision ``dp=4`` | LLM ``pp=4`` in 4
   microbatches, many calls on one device each; colocated ``dp=8`` in one, few calls on 8
-  devices each; islands 4 + 4 with the LLM ``fsdp=4`` in 2): what the rest of the profile
-  does not explain of the first two steps gives ``dispatch_us`` (per host call the
-  planner counts) and ``launch_us`` (per block, pass and device), then what it does not
-  explain of the third gives ``fsdp_call_us`` (per fsdp collective, which the engine
-  chains on CPU: 49 per microbatch there).
+  devices each; islands 4 + 4 with the LLM ``dp=4`` in 2, and the same with ``fsdp=4``):
+  what the rest of the profile does not explain of the steps without fsdp gives
+  ``dispatch_us`` (per host call the planner counts) and ``launch_us`` (per block, pass
+  and device), then what it does not explain of the fsdp row's step beyond its twin's
+  gives ``fsdp_call_us`` (per fsdp collective, which the engine chains on CPU: 49 per
+  microbatch there).
 
 GPU: fits ``matmul_efficiency`` and ``memory_efficiency`` of the built-in H200 so that
 the cost model prices the ``gpu_check`` record's stage rows as measured (the LLM's loss
@@ -420,8 +421,9 @@ def _chain(k: int, x: Any) -> Any:
 
 
 DISPATCH_ROWS = (  # the executor on negligible compute: many 1-device calls, few 8-device
-    ("nano islands pp4", "non-colocated", "dp=4", "pp=4", 4),  # ones, fsdp's chain
-    ("nano colocated dp8", "colocated", "dp=8", "dp=8", 1),
+    ("nano islands pp4", "non-colocated", "dp=4", "pp=4", 4),  # ones; fsdp's chain beside
+    ("nano colocated dp8", "colocated", "dp=8", "dp=8", 1),  # the same layout without it
+    ("nano islands dp4", "non-colocated", "dp=4", "dp=4", 2),
     ("nano islands fsdp4", "non-colocated", "dp=4", "fsdp=4", 2),
 )
 
@@ -437,36 +439,39 @@ def dispatch_rows() -> tuple[list, dict]:
 
 
 def host_costs(hw: Any, measured: list[dict]) -> tuple[dict, list]:
-    """``dispatch_us`` and ``launch_us``, then ``fsdp_call_us``, from the
-    ``dispatch_rows`` steps ``measured`` (:func:`experiments.validate_plan.measure_rows`):
-    what ``hw`` prices of the rows without fsdp without either, then the two constants by
-    least squares (at least 0); with those, what it prices of the fsdp row without
-    ``fsdp_call_us``, then that constant (at least 0)."""
+    """``dispatch_us``, ``launch_us`` and ``fsdp_call_us`` from the ``dispatch_rows``
+    steps ``measured`` (:func:`experiments.validate_plan.measure_rows`): what ``hw``
+    prices of the rows without fsdp without the first two, then those by least squares
+    (at least 0); then, with them, what the fsdp row costs more than its twin without
+    fsdp (the same layout with dp for fsdp, measured in the same rounds, so that their
+    common costs and the machine's load cancel) beyond what ``hw`` prices of that
+    difference, per fsdp collective (at least 0)."""
     import numpy as np
 
     from experiments import validate_plan as vp
 
     rows, models = dispatch_rows()
     zero = dataclasses.replace(hw, dispatch_us=0.0, launch_us=0.0, fsdp_call_us=0.0)
-    fits, out = {}, []
-    for names in (("dispatch_us", "launch_us"), ("fsdp_call_us",)):
-        base = dataclasses.replace(zero, **fits)
-        a, t = [], []
-        for row, got in zip(rows, measured, strict=True):
-            if ("fsdp" in row.llm) != (names == ("fsdp_call_us",)):
-                continue
-            nano = models[row.name]
-            rest, calls = vp.predict(row, base, cfg=nano)
-            a.append(
-                [
-                    vp.predict(row, dataclasses.replace(base, **{k: 1.0}), cfg=nano)[0] - rest
-                    for k in names
-                ]
-            )
+    price = lambda row, h: vp.predict(row, h, cfg=models[row.name])  # noqa: E731
+    a, t, out = [], [], []
+    for row, got in zip(rows, measured, strict=True):
+        rest, calls = price(row, zero)
+        out.append({"layout": row.name, **got, "planned_calls": calls})
+        if "fsdp" not in row.llm:
+            one = [price(row, dataclasses.replace(zero, **{k: 1.0}))[0] - rest for k in HOST]
+            a.append(one)
             t.append(got["measured_step_s"] - rest)
-            out.append({"layout": row.name, **got, "planned_calls": calls})
-        fits |= dict(zip(names, _nonnegative_lstsq(np.asarray(a), np.asarray(t)), strict=True))
-    return fits, out
+    fits = dict(zip(HOST, _nonnegative_lstsq(np.asarray(a), np.asarray(t)), strict=True))
+    base = dataclasses.replace(zero, **fits)
+    by_name = {r.name: (r, g["measured_step_s"]) for r, g in zip(rows, measured, strict=True)}
+    (row, got), (twin, twin_got) = by_name["nano islands fsdp4"], by_name["nano islands dp4"]
+    priced = price(row, base)[0]
+    per_call = price(row, dataclasses.replace(base, fsdp_call_us=1.0))[0] - priced
+    extra = (got - twin_got) - (priced - price(twin, base)[0])
+    return fits | {"fsdp_call_us": max(extra / per_call, 0.0)}, out
+
+
+HOST = ("dispatch_us", "launch_us")  # fitted on the dispatch rows without fsdp
 
 
 def _nonnegative_lstsq(a: Any, t: Any) -> tuple[float, ...]:
