@@ -426,6 +426,8 @@ DISPATCH_ROWS = (  # the executor on negligible compute: many 1-device calls, fe
     ("nano islands dp4", "non-colocated", "dp=4", "dp=4", 2),
     ("nano islands fsdp4", "non-colocated", "dp=4", "fsdp=4", 2),
 )
+HOST = ("dispatch_us", "launch_us")  # fitted on the dispatch rows without fsdp
+FSDP_TWINS = ("nano islands fsdp4", "nano islands dp4")  # fsdp_call_us: the one beside the other
 
 
 def dispatch_rows() -> tuple[list, dict]:
@@ -464,14 +466,11 @@ def host_costs(hw: Any, measured: list[dict]) -> tuple[dict, list]:
     fits = dict(zip(HOST, _nonnegative_lstsq(np.asarray(a), np.asarray(t)), strict=True))
     base = dataclasses.replace(zero, **fits)
     by_name = {r.name: (r, g["measured_step_s"]) for r, g in zip(rows, measured, strict=True)}
-    (row, got), (twin, twin_got) = by_name["nano islands fsdp4"], by_name["nano islands dp4"]
+    (row, got), (twin, twin_got) = (by_name[name] for name in FSDP_TWINS)
     priced = price(row, base)[0]
     per_call = price(row, dataclasses.replace(base, fsdp_call_us=1.0))[0] - priced
     extra = (got - twin_got) - (priced - price(twin, base)[0])
     return fits | {"fsdp_call_us": max(extra / per_call, 0.0)}, out
-
-
-HOST = ("dispatch_us", "launch_us")  # fitted on the dispatch rows without fsdp
 
 
 def _nonnegative_lstsq(a: Any, t: Any) -> tuple[float, ...]:

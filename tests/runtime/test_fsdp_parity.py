@@ -181,16 +181,10 @@ def test_encoder_gathers_each_layer_in_the_loop_and_reduce_scatters_its_gradient
     ex, rec = run_a
     key = ("vision", 0)
     prog, depth = ex.programs[key], get_preset("tiny").vision.depth
-    mesh = prog.mesh
     assert prog.keeps_residuals  # its forward and backward are separate programs
 
     def over_fsdp(program: str, kind: str) -> list:
-        hlo = rec.compiled[(key, program)].as_text()
-        return [
-            c
-            for c in collectives(hlo, mesh.size)
-            if c.kind == kind and varied_axes(c, mesh) == {FSDP_AXIS}
-        ]
+        return _over_fsdp(ex, rec, key, program, kind)
 
     blocks = ex.state.params[key]["vision"]["blocks"]
     matrices = [a for a in jax.tree.leaves(blocks) if a.ndim == 3]  # [layers, d_in, d_out]
@@ -227,6 +221,17 @@ def test_encoder_gathers_each_layer_in_the_loop_and_reduce_scatters_its_gradient
     assert whole and all(np.prod(s) <= depth * 2 * 64 for s in whole), whole
 
 
+def _over_fsdp(ex, rec: Recorder, key, program: str, kind: str) -> list:
+    """The collectives of ``kind`` over the fsdp axis alone in stage ``key``'s compiled
+    ``program`` (with their loop executions)."""
+    mesh = ex.programs[key].mesh
+    return [
+        c
+        for c in collectives(rec.compiled[(key, program)].as_text(), mesh.size)
+        if c.kind == kind and varied_axes(c, mesh) == {FSDP_AXIS}
+    ]
+
+
 def _gathered_shard(a: jax.Array) -> tuple[int, ...]:
     """``a``'s shape per device once gathered over fsdp (still split over tp)."""
     whole = jax.sharding.NamedSharding(a.sharding.mesh, gathered_spec(a.sharding.spec))
@@ -248,12 +253,7 @@ def test_cost_model_counts_the_collectives_xla_cpu_runs(run_a):
     shapes = {"vision": parts.encoder_shape(cfg), "llm": parts.llm_shape(cfg, cfg.seq_len)}
 
     def over_fsdp(key, program: str, kind: str = "all-gather") -> int:
-        mesh = ex.programs[key].mesh
-        return sum(
-            c.executions
-            for c in collectives(rec.compiled[(key, program)].as_text(), mesh.size)
-            if c.kind == kind and varied_axes(c, mesh) == {FSDP_AXIS}
-        )
+        return sum(c.executions for c in _over_fsdp(ex, rec, key, program, kind))
 
     for key in ex.programs:  # one stage per module (pp=1): first and last
         shape = shapes[key[0]]
